@@ -1,0 +1,123 @@
+"""Weight updates across real processes, compared bitwise, with failures in between."""
+
+import asyncio
+
+import pytest
+import torch
+import workers
+
+from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, WeightSyncError
+from weightbus.demo import DemoConfig, run_demo
+from weightbus.runtime.local import spawn
+
+
+@pytest.mark.parametrize("backend,T,R", [("gloo", 2, 3), ("colocated", 2, 2), ("colocated", 1, 2)])
+def test_lifecycle_bitwise_with_failures_between(port, backend, T, R):
+    logs = spawn(workers.lifecycle, T + R, (backend, T, R, port, 1 << 16), timeout=240)
+    trainers, rollouts = logs[:T], logs[T:]
+    previous = None
+    for k, entry in enumerate(trainers[0]):
+        kind = entry["kind"]
+        if kind == "good":
+            expected = entry["expected"]
+            assert all(t[k]["ok"] == k + 1 for t in trainers)
+            for r in rollouts:
+                assert r[k]["ok"] == expected, f"update {k + 1}"  # every tensor, bitwise, in order
+                assert list(r[k]["ok"]) == list(expected)
+                assert r[k]["version"] == k + 1
+            assert expected != previous  # the weights really changed
+            previous = expected
+        elif kind == "trainer_raises":
+            for log in trainers + rollouts:
+                assert "error" in log[k], log[k]
+                assert f"trainer rank {T - 1}" in log[k]["error"] and "proj.bias" in log[k]["error"]
+                assert "boom" in log[k]["error"]
+        elif kind == "consumer_stops":
+            for log in trainers:
+                assert "stopped reading" in log[k]["error"] and "rollout rank" in log[k]["error"]
+    # a failed update never advances a rollout's version; the rank that stopped reading
+    # saw no error of its own (it chose to stop) but still holds version 3
+    assert [e.get("version") for e in rollouts[-1]] == [1, 2, 3, None, None, 6, 7]
+    assert rollouts[0][4]["version"] == 3
+
+
+def test_bad_inputs_fail_everywhere_and_group_survives(port):
+    T, R = 2, 2
+    logs = spawn(workers.bad_inputs, T + R, (T, R, port), timeout=240)
+    for rank, log in enumerate(logs):
+        for good in ("good1", "good2", "good3", "good4", "good5"):
+            assert "ok" in log[good], (rank, good, log[good])
+        assert "duplicate tensor name 'a'" in log["duplicate"]["error"]
+        assert "proj.weight" in log["trainers_disagree"]["error"]
+        assert f"trainer rank {T - 1}" in log["trainers_disagree"]["error"]
+        assert "cannot cast torch.int64" in log["bad_cast"]["error"]
+        if rank >= T:
+            assert "proj.bias" in log["receiver_expects_other"]["error"]
+            assert "SinkError" in log["sink_missing"]["error"]
+            assert "proj.weight" in log["sink_missing"]["error"]
+            assert "ok" not in log["receiver_expects_other"]
+    # the sink's problem is the receiver's own: the senders' update completed
+    assert all("ok" in log["sink_missing"] for log in logs[:T])
+    # the receiver that expected another manifest got no tensor, and every rank says why
+    assert "expected manifest" in logs[0]["receiver_expects_other"]["error"]
+
+
+@pytest.mark.parametrize("backend,mode", [("gloo", "die"), ("colocated", "die"), ("gloo", "hang")])
+def test_peer_lost_mid_update_fails_fast_then_recovers(port, backend, mode):
+    out = spawn(workers.dies_mid_update, 3, (backend, port, mode), timeout=120,
+                allow_fail=frozenset({2}))
+    trainer, survivor = out[0], out[1]
+    assert trainer[1]["ok"] == 1 and "ok" in survivor[1]
+    if backend == "colocated":  # rollout 2 pairs with trainer 0 as well; rollout 1 too
+        assert "error" in trainer[2]
+    else:
+        assert "error" in trainer[2] and "error" in survivor[2]
+    for side in (trainer, survivor):
+        if "error" in side[2]:
+            assert side[2]["seconds"] < 5.0 * 3  # within the deadline (5 s), not a hang
+    assert trainer[3]["ok"] == 1 + trainer[1]["ok"] or "ok" in trainer[3]
+    assert survivor[3]["ok"] == trainer[3]["expected"]
+
+
+def test_colocated_in_process_pass_through():
+    engine = CheckpointEngineRegistry.new("colocated")
+    engine.init_process_group()
+    trainer, rollout = workers.Mixed(), workers.Mixed().to(torch.bfloat16)
+
+    async def update():
+        sink = ModuleSink(rollout)
+        return await asyncio.gather(engine.send_weights(ModuleSource(trainer, dtype=torch.bfloat16)),
+                                    sink.load(engine.receive_weights()))
+
+    before = None
+    for k in (1, 2, 3):
+        trainer.step(k)
+        stats, report = asyncio.run(update())
+        assert stats.version == k and engine.version == k and report.loaded == len(rollout.state_dict())
+        for (n, a), (_, b) in zip(trainer.state_dict().items(), rollout.state_dict().items()):
+            assert torch.equal(a.to(b.dtype) if a.is_floating_point() else a, b), n
+        now = rollout.emb.weight.clone()
+        assert before is None or not torch.equal(now, before)
+        before = now
+
+
+def test_colocated_in_process_sender_error_reaches_receiver():
+    engine = CheckpointEngineRegistry.new("naive")
+
+    async def update():
+        async def recv():
+            return [n async for n, _ in engine.receive_weights()]
+        return await asyncio.gather(engine.send_weights(workers._Lying()), recv(),
+                                    return_exceptions=True)
+
+    sent, got = asyncio.run(update())
+    assert isinstance(sent, WeightSyncError) and isinstance(got, WeightSyncError)
+    assert "cannot cast" in str(got)
+
+
+def test_demo_fsdp2_trainers_verified():
+    rows = run_demo(DemoConfig(trainers=2, rollouts=2, steps=2, dim=64, layers=2, vocab=512,
+                               bucket_mb=1, timeout=60))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["verified"] for r in rows)
+    assert rows[0]["floor_gbps"] > 0

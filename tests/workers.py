@@ -1,0 +1,230 @@
+"""Worker bodies for the multi-process tests (importable by spawned processes).
+
+Each worker returns plain data; the test in the parent compares trainer-side expected
+digests with what every rollout rank received, bitwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import torch
+from torch import nn
+
+from weightbus import (
+    CheckpointEngineRegistry,
+    Manifest,
+    ModuleSink,
+    ModuleSource,
+    TensorMeta,
+    WeightSyncError,
+)
+from weightbus.demo import digest
+from weightbus.runtime.local import Rendezvous, connect
+
+
+class Mixed(nn.Module):
+    """Parameters and buffers of many dtypes and odd shapes; trained by real steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(3000, 48)  # 576 KB fp32: several buckets when small
+        self.proj = nn.Linear(48, 37)  # 37: odd sizes everywhere
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        self.h16 = nn.Parameter(torch.randn(5, 3).half())
+        self.bf = nn.Parameter(torch.randn(11).bfloat16())
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mask", torch.zeros(13, dtype=torch.bool))
+        self.register_buffer("empty", torch.zeros(0, 4))
+
+    def step(self, k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        x = torch.randint(0, 3000, (8,), generator=g)
+        loss = (self.proj(self.emb(x)) * self.scale).square().mean() + self.h16.float().sum() \
+            + self.bf.float().sum()
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            self.steps += 1
+            self.mask ^= torch.rand(13, generator=g) > 0.5
+
+
+def trainer_stream(model: Mixed) -> dict[str, torch.Tensor]:
+    sd = dict(model.state_dict())
+    sd["emb_t"] = model.emb.weight.detach().t()  # non-contiguous
+    return sd
+
+
+def _receive(engine, expected: Manifest | None = None, stop_after: int | None = None):
+    async def go():
+        got = {}
+        stream = engine.receive_weights(expected=expected)
+        async for name, t in stream:
+            got[name] = digest(t)
+            if stop_after is not None and len(got) >= stop_after:
+                await stream.aclose()
+                break
+        return got
+    return asyncio.run(go())
+
+
+def _send(engine, weights, version=None):
+    return asyncio.run(engine.send_weights(weights, version=version))
+
+
+def _outcome(fn):
+    try:
+        return {"ok": fn()}
+    except WeightSyncError as e:
+        return {"error": str(e)}
+
+
+class _Lying:
+    """A source whose manifest says bf16 but whose stream gives integers."""
+
+    manifest = Manifest([TensorMeta("x", torch.bfloat16, (3,))])
+
+    def __iter__(self):
+        yield "x", torch.arange(3)
+
+
+class _Raising:
+    """A weight source whose iterator raises at one tensor (a trainer-side bug)."""
+
+    def __init__(self, source: ModuleSource, at: str):
+        self.manifest, self._source, self._at = source.manifest, source, at
+
+    def __iter__(self):
+        for name, t in self._source:
+            if name == self._at:
+                raise RuntimeError(f"boom while producing {name}")
+            yield name, t
+
+
+def lifecycle(rank: int, backend: str, T: int, R: int, port: int, bucket: int):
+    """Good updates with changing weights, a trainer-side failure, a consumer that stops
+    early, a dtype-policy change (new manifest), then good again: the same group."""
+    torch.set_num_threads(1)
+    is_trainer = rank < T
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new(backend, bucket_size=bucket, timeout=30,
+                                          role="trainer" if is_trainer else "rollout")
+    connect(engine, rdv, T, R)
+    model = Mixed()
+    log = []
+    plan = [("good", None)] * 3 + [("trainer_raises", None), ("consumer_stops", None),
+                                   ("good", torch.bfloat16), ("good", torch.bfloat16)]
+    for k, (kind, dtype) in enumerate(plan, start=1):
+        model.step(k)
+        source = ModuleSource(trainer_stream(model), dtype=dtype)
+        rdv.all_gather(None)
+        if is_trainer:
+            weights = _Raising(source, "proj.bias") if kind == "trainer_raises" and rank == T - 1 else source
+            out = _outcome(lambda: _send(engine, weights, version=k).version)
+            if "ok" in out:
+                out["expected"] = {n: digest(t.to(source.wire_dtype(t))) for n, t in source}
+        else:
+            stop = 3 if kind == "consumer_stops" and rank == T else None
+            out = _outcome(lambda: _receive(engine, stop_after=stop))
+            if "ok" in out:
+                out["version"] = engine.version
+        out["kind"] = kind
+        log.append(out)
+    engine.finalize(destroy_group=True)
+    return log
+
+
+def bad_inputs(rank: int, T: int, R: int, port: int):
+    """Each bad input fails on every rank with a message naming the problem; the group
+    stays usable and a good update follows each."""
+    torch.set_num_threads(1)
+    is_trainer = rank < T
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 16, timeout=30,
+                                          role="trainer" if is_trainer else "rollout")
+    connect(engine, rdv, T, R)
+    model = Mixed()
+    good = ModuleSource(model)
+    log = {}
+
+    def step(name, trainer_weights, expected=None, sink=False):
+        rdv.all_gather(None)
+        if is_trainer:
+            log[name] = _outcome(lambda: _send(engine, trainer_weights(rank)).version)
+        elif sink:
+            other = Mixed()
+            del other.proj  # the rollout model lacks proj.weight / proj.bias
+            try:
+                asyncio.run(ModuleSink(other).load(engine.receive_weights()))
+                log[name] = {"ok": True}
+            except Exception as e:  # noqa: BLE001
+                log[name] = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            log[name] = _outcome(lambda: _receive(engine, expected=expected))
+
+    step("duplicate", lambda r: [("a", torch.ones(3)), ("a", torch.ones(3))])
+    step("good1", lambda r: good)
+    bad = dict(model.state_dict())
+    bad["proj.weight"] = torch.zeros(36, 48)
+    step("trainers_disagree", lambda r: ModuleSource(bad) if r == T - 1 else good)
+    step("good2", lambda r: good)
+    wrong = Manifest([m if m.name != "proj.bias" else type(m)(m.name, m.dtype, (99,))
+                      for m in good.manifest])
+    step("receiver_expects_other", lambda r: good, expected=wrong)
+    step("good3", lambda r: good)
+    step("sink_missing", lambda r: good, sink=True)
+    step("good4", lambda r: good)
+    step("bad_cast", lambda r: _Lying())
+    step("good5", lambda r: good)
+    return log
+
+
+def dies_mid_update(rank: int, backend: str, port: int, mode: str):
+    """1 trainer, 2 rollouts. Rollout 2 dies (or hangs) during update 2; the trainer and
+    rollout 1 must fail within the deadline, then re-form without it and succeed."""
+    torch.set_num_threads(1)
+    T, R = 1, 2
+    timeout = 5.0
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 16, timeout=timeout,
+                                          role="trainer" if rank == 0 else "rollout")
+    connect(engine, rdv, T, R)
+    model = Mixed()
+    out = {}
+    for k in (1, 2):
+        model.step(k)
+        rdv.all_gather(None)
+        t0 = time.monotonic()
+        if rank == 0:
+            res = _outcome(lambda: _send(engine, ModuleSource(model)).version)
+        elif rank == 2 and k == 2:
+            async def die():
+                async for _ in engine.receive_weights():
+                    if mode == "die":
+                        os._exit(3)
+                    time.sleep(4 * timeout)  # hang: alive, but stops taking part
+                    os._exit(0)
+            asyncio.run(die())
+            return None
+        else:
+            res = _outcome(lambda: _receive(engine))
+        res["seconds"] = time.monotonic() - t0
+        out[k] = res
+    # survivors re-form: new rendezvous among ranks 0 and 1 only
+    rdv2 = Rendezvous("127.0.0.1", port, rank, 2, timeout=60, prefix="again")
+    connect(engine, rdv2, 1, 1)
+    model.step(3)
+    if rank == 0:
+        source = ModuleSource(model)
+        res = _outcome(lambda: _send(engine, source).version)
+        res["expected"] = {n: digest(t) for n, t in source}
+    else:
+        res = _outcome(lambda: _receive(engine))
+    out[3] = res
+    engine.finalize(destroy_group=True)
+    return out

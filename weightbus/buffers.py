@@ -1,0 +1,211 @@
+"""Layer 2: byte buckets and the packing of tensors into them. One implementation for
+every backend.
+
+A bucket is a flat ``uint8`` tensor (CPU, shared memory or CUDA). Senders *pack* chunks
+of tensors into it (casting to the wire dtype inside the copy, so the cast happens once,
+straight into the bucket); receivers *unpack* views of it. Every sent bucket ends with a
+64-byte trailer (magic, version, bucket index, status) so a receiver can tell a good
+bucket from a stale one or from an abort notice that carries the sender's error text.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import torch
+
+from weightbus.errors import PlanError
+from weightbus.plan import TRAILER_BYTES, Bucket, BucketPlan, Chunk, TensorMeta
+
+MAGIC = 0x57425553_0001  # "WBUS", format 1
+STATUS_OK = 0
+STATUS_ABORT = 1
+
+MiB = 1 << 20
+
+
+def default_bucket_size(device: torch.device) -> int:
+    """Bucket size when the user gives none: big enough to run at link speed, small
+    enough that two buckets on each side stay a small share of free memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(max(64 * MiB, min(1024 * MiB, free // 16)) // MiB * MiB)
+    return 64 * MiB
+
+
+# ---------------------------------------------------------------------------- allocation
+
+
+class SharedBuffer:
+    """A named POSIX shared-memory segment viewed as a ``uint8`` tensor.
+
+    The creator owns (and unlinks) it; other processes on the host attach by name. The
+    creator registers it with Python's resource tracker (freed if it crashes); attachers
+    map ``/dev/shm/<name>`` directly, because the tracker is shared with spawned children
+    and would otherwise unlink or double-count the creator's segment.
+    """
+
+    def __init__(self, nbytes: int, name: str | None = None):
+        self.owner = name is None
+        self._shm: shared_memory.SharedMemory | None = None
+        self._map: mmap.mmap | None = None
+        if self.owner:
+            name = f"wbus_{os.getpid()}_{secrets.token_hex(6)}"
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
+            buf = self._shm.buf
+        else:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, max(1, nbytes))
+            finally:
+                os.close(fd)
+            buf = self._map
+        self.name: str = name  # type: ignore[assignment]
+        self.nbytes = nbytes
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+
+    def close(self) -> None:
+        if self._shm is None and self._map is None:
+            return
+        del self.tensor
+        try:
+            if self._shm is not None:
+                self._shm.close()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # a view is still alive somewhere; the unlink below still frees it
+            pass
+        if self.owner and self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+        self._shm, self._map = None, None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def allocate(nbytes: int, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+    """A plain bucket on ``device`` (pinned when asked and the device is the host)."""
+    if device.type == "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+# ---------------------------------------------------------------------------- packing
+
+
+def check_castable(meta: TensorMeta, t: torch.Tensor) -> None:
+    """The stream may hand a tensor in a different floating dtype than it travels in
+    (the source's dtype policy, e.g. fp32 master -> bf16); anything else is an error."""
+    if tuple(t.shape) != meta.shape:
+        raise PlanError(f"tensor {meta.name!r}: the stream gives shape {list(t.shape)}, "
+                        f"the manifest says {list(meta.shape)}")
+    if t.dtype != meta.dtype and not (t.is_floating_point() and meta.dtype.is_floating_point):
+        raise PlanError(f"tensor {meta.name!r}: cannot cast {t.dtype} to the wire dtype "
+                        f"{meta.dtype} (only floating-point tensors are cast)")
+
+
+class Packer:
+    """Copies chunks of stream tensors into a bucket, casting inside the copy."""
+
+    def __init__(self, plan: BucketPlan):
+        self.plan = plan
+        self._flat_for: int | None = None
+        self._flat: torch.Tensor | None = None
+
+    def pack(self, bucket: torch.Tensor, chunk: Chunk, src: torch.Tensor) -> None:
+        meta = self.plan.manifest[chunk.index]
+        if chunk.nbytes == 0:
+            return
+        dst = bucket[chunk.dst_offset:chunk.dst_offset + chunk.nbytes].view(meta.dtype)
+        if chunk.nbytes == meta.nbytes:
+            # whole tensor: one strided copy handles non-contiguous sources and the cast
+            dst.view(meta.shape).copy_(src, non_blocking=True)
+            return
+        if self._flat_for != chunk.index:
+            self._flat_for, self._flat = chunk.index, src.reshape(-1)
+        item = meta.itemsize
+        lo = chunk.src_offset // item
+        dst.copy_(self._flat[lo:lo + chunk.nbytes // item], non_blocking=True)  # type: ignore[index]
+
+    def done_with(self, index: int) -> None:
+        if self._flat_for == index:
+            self._flat_for, self._flat = None, None
+
+
+class Assembler:
+    """Turns received buckets back into ``(name, tensor)``.
+
+    A tensor that lies whole in one bucket is yielded as a view of the bucket (valid
+    until the bucket is reused); a split tensor is reassembled into a fresh tensor.
+    """
+
+    def __init__(self, plan: BucketPlan, device: torch.device):
+        self.plan = plan
+        self.device = device
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+        metas = self.plan.manifest
+        for c in b.chunks:
+            m = metas[c.index]
+            if m.nbytes == 0:
+                yield m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                continue
+            src = bucket[c.dst_offset:c.dst_offset + c.nbytes]
+            if c.nbytes == m.nbytes:
+                yield m.name, src.view(m.dtype).view(m.shape)
+                continue
+            dst = self._pending.get(c.index)
+            if dst is None:
+                dst = self._pending[c.index] = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            dst.view(-1).view(torch.uint8)[c.src_offset:c.src_offset + c.nbytes].copy_(
+                src, non_blocking=True)
+            if c.src_offset + c.nbytes == m.nbytes:
+                yield m.name, self._pending.pop(c.index)
+
+    def reset(self) -> None:
+        self._pending.clear()
+
+
+# ---------------------------------------------------------------------------- trailer
+
+
+def write_trailer(bucket: torch.Tensor, b: Bucket, version: int, status: int = STATUS_OK,
+                  message: str = "") -> None:
+    """Stamp bucket ``b``; with ``STATUS_ABORT`` the payload carries ``message``."""
+    msg = message.encode()[: max(0, b.trailer_offset)]
+    if msg:
+        bucket[: len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+    words = torch.tensor([MAGIC, version, b.index, status, len(msg), 0, 0, 0], dtype=torch.int64)
+    bucket[b.trailer_offset:b.trailer_offset + TRAILER_BYTES].copy_(
+        words.view(torch.uint8), non_blocking=bucket.device.type != "cpu")
+
+
+def read_trailer(bucket: torch.Tensor, b: Bucket) -> tuple[int, int, int, int, str]:
+    """Returns (magic, version, index, status, message)."""
+    raw = bucket[b.trailer_offset:b.trailer_offset + TRAILER_BYTES].cpu()
+    magic, version, index, status, msg_len = raw.view(torch.int64)[:5].tolist()
+    msg = ""
+    if status != STATUS_OK and 0 < msg_len <= b.trailer_offset:
+        msg = bytes(bucket[:msg_len].cpu().numpy()).decode(errors="replace")
+    return magic, version, index, status, msg
+
+
+def check_trailer(bucket: torch.Tensor, b: Bucket, version: int, where: str) -> tuple[int, str]:
+    """Validates a received bucket; returns (status, message). A bucket that is not the one
+    expected (wrong magic, version or index) is a protocol fault, reported as an abort."""
+    magic, got_version, index, status, msg = read_trailer(bucket, b)
+    if magic != MAGIC or got_version != version or index != b.index:
+        return STATUS_ABORT, (f"{where}: bucket {b.index} is torn or stale (magic {magic:#x}, "
+                              f"version {got_version}, index {index}; expected version {version})")
+    return status, msg

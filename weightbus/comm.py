@@ -1,0 +1,94 @@
+"""Layer 2: rendezvous and standalone process groups, built only from torch primitives.
+
+Groups are built from a :class:`torch.distributed.TCPStore` among exactly the ranks that
+take part, never from (or into) the user's default process group, so a trainer that
+already runs FSDP over its own world and a rollout engine with its own TP group can both
+join a weightbus group.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightbus.errors import WeightSyncError, as_timedelta
+
+
+def local_address() -> str:
+    """An address of this host that peers on other hosts can reach (best effort)."""
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    try:  # the interface that would route outward; no packet is sent
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def serve_store(timeout: float) -> dist.TCPStore:
+    """A store server on a free port of this host (the port is held, so no race)."""
+    return dist.TCPStore("0.0.0.0", 0, None, True, timeout=as_timedelta(timeout),
+                         wait_for_workers=False)
+
+
+def connect_store(addr: str, port: int, timeout: float, where: str) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} "
+                              f"within {timeout:.0f}s: {e}") from e
+
+
+def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int,
+              timeout: float, device: torch.device | None, where: str) -> Any:
+    """A standalone process-group backend (``gloo``, ``nccl`` or ``hccl``) of ``size``
+    ranks. Blocks until every member has joined, at most ``timeout`` seconds."""
+    store = dist.PrefixStore(prefix, store)
+    try:
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, size, as_timedelta(timeout))
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = as_timedelta(timeout)
+            opts.is_high_priority_stream = False
+            pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+            if device is not None:
+                # eager init binds the communicator to our device now, so the first
+                # broadcast is not where a missing peer is discovered
+                pg.eager_connect_single_device(device)
+            return pg
+        if backend == "hccl":
+            try:
+                import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
+            except ImportError as e:
+                raise WeightSyncError(f"{where}: backend 'hccl' needs torch_npu") from e
+            return torch.distributed.ProcessGroupHCCL(store, rank, size,  # type: ignore[attr-defined]
+                                                      as_timedelta(timeout))
+    except WeightSyncError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise WeightSyncError(f"{where}: forming {backend} group {prefix!r} "
+                              f"(rank {rank} of {size}) failed within {timeout:.0f}s: {e}") from e
+    raise WeightSyncError(f"{where}: unknown process-group backend {backend!r}")
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
+
+
+def allreduce_max(pg: Any, tensor: torch.Tensor) -> Any:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    return pg.allreduce([tensor], opts)

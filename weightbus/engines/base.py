@@ -1,0 +1,526 @@
+"""Layer 3: the engine API, the registry, and the update protocol every bucket engine
+shares.
+
+An update on the wire, for every engine built on :class:`BucketEngine`::
+
+    header   control group, from the sender root: magic, version, fingerprint, status,
+             and the manifest itself only when the group has not seen this fingerprint
+    buckets  per the BucketPlan; each bucket's trailer carries its status, so a sender
+             that failed still sends its buckets, as abort notices with its error text
+    finish   control group: all-reduce of every rank's status; if any rank failed, its
+             message is broadcast and every rank raises the same WeightSyncError
+
+Every rank therefore issues the same sequence of operations whatever fails, so no rank
+is left blocked; a peer that dies or hangs trips the group's deadline instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from weightbus import buffers, comm
+from weightbus.errors import DEFAULT_TIMEOUT, PlanError, WeightbusError, WeightSyncError
+from weightbus.plan import Bucket, BucketPlan, Manifest, TensorMeta
+
+Role = Literal["trainer", "rollout"]
+#: ``(name, tensor)`` pairs, or an object with a ``manifest`` (see :mod:`weightbus.sources`).
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+_HEADER_WORDS = 8
+_MESSAGE_BYTES = 4096
+
+
+@dataclass
+class UpdateStats:
+    """What one update moved and how long it took, on one rank."""
+
+    version: int
+    tensors: int
+    bytes: int  # payload bytes delivered (wire dtype)
+    wire_bytes: int  # bytes that crossed the link on this rank's buckets, trailers included
+    seconds: float
+    buckets: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class CheckpointEngine(ABC):
+    """Moves one version of the weights from trainer ranks to rollout ranks.
+
+    Lifecycle (the seed API)::
+
+        meta = engine.prepare()                                    # every rank
+        t_kw, r_kw = Engine.build_topology(T, R, [metas...])       # anywhere
+        engine.init_process_group(**{k: v[rank] for k, v in kw.items()})
+        await engine.send_weights(stream)                          # trainer ranks
+        async for name, t in engine.receive_weights(): ...         # rollout ranks
+        engine.finalize()
+
+    ``metadata`` passed to :meth:`build_topology` lists the trainer ranks' metadata
+    first (trainer rank order), then the rollout ranks'.
+    """
+
+    #: registry name this instance was made under (``gloo``, ``nccl``, ``colocated``...)
+    backend: str = ""
+
+    def __init__(self, bucket_size: int | None = None, *, device: str | torch.device | None = None,
+                 num_buffers: int = 2, timeout: float = DEFAULT_TIMEOUT, role: Role | None = None):
+        if bucket_size is not None and bucket_size <= 0:
+            raise PlanError(f"bucket_size must be positive, got {bucket_size}")
+        if num_buffers < 1:
+            raise PlanError(f"num_buffers must be >= 1, got {num_buffers}")
+        if role not in (None, "trainer", "rollout"):
+            raise PlanError(f"role must be 'trainer' or 'rollout', got {role!r}")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._bucket_size = bucket_size
+        self.num_buffers = num_buffers
+        self.timeout = float(timeout)
+        self.role: Role | None = role
+        #: version of the last update this engine completed (sent or fully received)
+        self.version = 0
+        self.last_stats: UpdateStats | None = None
+
+    @property
+    def bucket_size(self) -> int:
+        if self._bucket_size is None:
+            self._bucket_size = buffers.default_bucket_size(self.device)
+        return self._bucket_size
+
+    @abstractmethod
+    def prepare(self) -> dict[str, Any]:
+        """Allocate buffers and open endpoints; returns metadata for build_topology."""
+
+    @classmethod
+    @abstractmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Per-rank keyword arguments of init_process_group: ``(trainer, rollout)``, each
+        a dict of lists indexed by rank within its side."""
+
+    @abstractmethod
+    def init_process_group(self, **kwargs: Any) -> None:
+        """Form (or re-form) the group; may be kept across updates."""
+
+    @abstractmethod
+    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        """Send one version; every trainer rank calls it with the same ordered stream."""
+
+    @abstractmethod
+    def receive_weights(self, *, expected: Manifest | None = None
+                        ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield every tensor of one version once. A yielded tensor may be a view of a
+        bucket: valid until the next iteration. With ``expected``, an update whose
+        manifest differs fails on every rank before any tensor is yielded."""
+
+    @abstractmethod
+    def finalize(self, destroy_group: bool = False) -> None:
+        """Free buckets; with ``destroy_group`` also drop the group."""
+
+    def where(self) -> str:
+        return f"{self.backend or type(self).__name__} {self.role or '?'} rank {getattr(self, 'rank', '?')}"
+
+
+class CheckpointEngineWithCache(CheckpointEngine):
+    """An engine that keeps the latest version where a rollout can pull it on its own."""
+
+    @abstractmethod
+    def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield the latest cached version locally."""
+
+
+class CheckpointEngineRegistry:
+    """Backends by name: ``CheckpointEngineRegistry.new("gloo", bucket_size=...)``."""
+
+    _engines: ClassVar[dict[str, tuple[type[CheckpointEngine], dict[str, Any]]]] = {}
+
+    @classmethod
+    def register(cls, name: str, **defaults: Any) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
+        """Class decorator; stack it to register one class under several names, each
+        with its own constructor defaults."""
+
+        def deco(engine_cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
+            if name in cls._engines and cls._engines[name][0] is not engine_cls:
+                raise WeightbusError(f"checkpoint engine {name!r} is already registered "
+                                     f"to {cls._engines[name][0].__qualname__}")
+            cls._engines[name] = (engine_cls, defaults)
+            return engine_cls
+
+        return deco
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(cls._engines)
+
+    @classmethod
+    def get(cls, name: str) -> type[CheckpointEngine]:
+        return cls._lookup(name)[0]
+
+    @classmethod
+    def _lookup(cls, name: str) -> tuple[type[CheckpointEngine], dict[str, Any]]:
+        try:
+            return cls._engines[name]
+        except KeyError:
+            raise WeightbusError(f"unknown checkpoint engine backend {name!r}; registered: "
+                                 f"{', '.join(cls.names())}") from None
+
+    @classmethod
+    def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
+        engine_cls, defaults = cls._lookup(name)
+        engine = engine_cls(**{**defaults, **kwargs})
+        engine.backend = name
+        return engine
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ weight streams
+
+
+class _Stream:
+    """The sender's view of one update's weights: a manifest plus an iterator that yields
+    ``(name, tensor)`` in manifest order (tensor ``None`` where this rank need not hold it)."""
+
+    def __init__(self, manifest: Manifest, open_: Callable[[BucketPlan, Callable[[int], frozenset[int]], int],
+                                                             Iterator[tuple[str, torch.Tensor | None]]],
+                 strict_dtype: bool):
+        self.manifest = manifest
+        self.open = open_
+        self.strict_dtype = strict_dtype
+
+
+def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
+    """Find the manifest of ``weights`` without materialising it where possible.
+
+    - a source with a ``manifest`` (``weightbus.sources``) says it; if it also has
+      ``iter_for(owners, rank)`` only the ranks that pack a tensor materialise it;
+    - a plain iterable is assumed to match the previous update's manifest and is checked
+      tensor by tensor as it streams;
+    - a plain iterable on the first update is read once to learn its manifest.
+    """
+    manifest = getattr(weights, "manifest", None)
+    if isinstance(manifest, Manifest):
+        if hasattr(weights, "iter_for"):
+            return _Stream(manifest, lambda plan, owners, rank: weights.iter_for(owners, rank), False)
+        return _Stream(manifest, lambda plan, owners, rank: iter(weights), False)
+    if cached is not None:
+        return _Stream(cached, lambda plan, owners, rank: iter(weights), True)
+    items = list(weights)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise PlanError(f"the weight stream must yield (name, tensor) pairs, got {type(item).__name__}")
+    return _Stream(Manifest.from_tensors(items), lambda plan, owners, rank: iter(items), True)
+
+
+def _fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, position: int,
+           strict_dtype: bool) -> torch.Tensor | None:
+    try:
+        name, t = next(it)
+    except StopIteration:
+        raise PlanError(f"the weight stream ended early: it has no tensor {meta.describe()} "
+                        f"(position {position})") from None
+    if name != meta.name:
+        raise PlanError(f"the weight stream gives {name!r} where the manifest has "
+                        f"{meta.describe()} (position {position})")
+    if t is None:
+        return None
+    buffers.check_castable(meta, t)
+    if strict_dtype and t.dtype != meta.dtype:
+        raise PlanError(f"tensor {name!r} changed dtype from {meta.dtype} to {t.dtype} since the "
+                        f"manifest was taken; pass a source with a manifest to cast")
+    return t
+
+
+class _StreamBroken(Exception):
+    """The user's iterator raised: it cannot be advanced any more."""
+
+
+# ------------------------------------------------------------------ the shared protocol
+
+
+class BucketEngine(CheckpointEngine):
+    """The update protocol over buckets; subclasses supply the transport hooks below."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._ctl: Any = None  # gloo control group (header, final status)
+        self._ctl_rank = -1
+        self._broken: str | None = None  # why the group cannot be used any more
+        self._peers_fingerprint: int | None = None  # sender root: what the group has seen
+        self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
+        self._stream_manifest: Manifest | None = None  # plain-iterable streams
+        self._plans: dict[tuple[int, int, int], BucketPlan] = {}
+        self.n_senders = 1
+
+    # --- transport hooks -------------------------------------------------------------
+    @abstractmethod
+    def _packs(self, b: Bucket) -> bool:
+        """Whether this trainer rank packs and sends bucket ``b``."""
+
+    @abstractmethod
+    def _owners(self, plan: BucketPlan, index: int) -> frozenset[int]:
+        """Trainer ranks that need tensor ``index`` (to pack it)."""
+
+    @abstractmethod
+    def _acquire(self, b: Bucket) -> torch.Tensor:
+        """A free slot for bucket ``b`` (waits for the transfer that last used it)."""
+
+    @abstractmethod
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+        """Start moving packed bucket ``b``."""
+
+    @abstractmethod
+    def _flush_send(self, plan: BucketPlan) -> None:
+        """Wait until every bucket this rank sent has left its slots."""
+
+    @abstractmethod
+    def _post_recv(self, b: Bucket) -> None:
+        """Start receiving bucket ``b`` into its slot."""
+
+    @abstractmethod
+    def _wait_recv(self, b: Bucket) -> torch.Tensor:
+        """Wait for bucket ``b``; returns its slot."""
+
+    def _release(self, b: Bucket) -> None:
+        """The consumer is done with bucket ``b``'s slot."""
+
+    def _flush_recv(self, plan: BucketPlan) -> None:
+        """After the last bucket."""
+
+    def _sender_root(self) -> int:
+        return 0
+
+    # --- common helpers --------------------------------------------------------------
+    def _check_ready(self, role: Role) -> None:
+        if self._broken:
+            raise WeightSyncError(f"{self.where()}: the group is unusable after an earlier failure "
+                                  f"({self._broken}); call init_process_group again to rebuild it")
+        if self._ctl is None:
+            raise WeightSyncError(f"{self.where()}: no group; call prepare() and "
+                                  f"init_process_group() first")
+        if self.role != role:
+            raise WeightSyncError(f"{self.where()}: this rank is a {self.role}; only a {role} "
+                                  f"rank may call {'send' if role == 'trainer' else 'receive'}_weights")
+
+    def _fail(self, phase: str, e: BaseException) -> WeightSyncError:
+        """A transport failure: the group is now unusable; name where it happened."""
+        self._broken = f"{phase}: {e}"
+        return WeightSyncError(f"{self.where()}: {phase} failed: {e}")
+
+    def _plan(self, manifest: Manifest) -> BucketPlan:
+        key = (manifest.fingerprint, self.bucket_size, self.n_senders)
+        plan = self._plans.get(key)
+        if plan is None:
+            self._plans = {key: BucketPlan(manifest, self.bucket_size, self.n_senders)}
+            plan = self._plans[key]
+        return plan
+
+    def _ctl_wait(self, work: Any, phase: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(phase, e) from e
+
+    def _exchange_header(self, version: int, manifest: Manifest | None, error: str | None,
+                         ) -> tuple[int, Manifest]:
+        """Sender root -> all: version, fingerprint and (when new) the manifest.
+        Returns (version, manifest). Raises on every rank if the root failed."""
+        root = self._sender_root()
+        hdr = torch.zeros(_HEADER_WORDS, dtype=torch.int64)
+        payload = b""
+        if self._ctl_rank == root:
+            if error is not None or manifest is None:
+                payload = (error or "no manifest").encode()[:_MESSAGE_BYTES]
+                hdr[:5] = torch.tensor([buffers.MAGIC, version, 0, buffers.STATUS_ABORT, len(payload)])
+            else:
+                fp = manifest.fingerprint
+                if self._peers_fingerprint != fp:
+                    payload = manifest.to_bytes()
+                hdr[:5] = torch.tensor([buffers.MAGIC, version, fp, buffers.STATUS_OK, len(payload)])
+        self._ctl_wait(comm.broadcast(self._ctl, hdr, root), "header")
+        magic, version, fp, status, n = hdr[:5].tolist()
+        if magic != buffers.MAGIC:
+            raise self._fail("header", RuntimeError(f"bad magic {magic:#x} from the sender root"))
+        if n:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+                torch.empty(n, dtype=torch.uint8)
+            self._ctl_wait(comm.broadcast(self._ctl, data, root), "header manifest")
+            payload = bytes(data.numpy())
+        if status != buffers.STATUS_OK:
+            raise WeightSyncError(f"update to version {version} aborted before any data moved: "
+                                  f"{payload.decode(errors='replace')}")
+        if payload:
+            self._manifests[fp] = manifest if self._ctl_rank == root and manifest else \
+                Manifest.from_bytes(payload)
+        if self._ctl_rank == root:
+            self._peers_fingerprint = fp
+        agreed = self._manifests.get(fp)
+        if agreed is None:
+            raise self._fail("header", RuntimeError(
+                f"the sender root announced manifest {fp:#x} without sending it"))
+        return version, agreed
+
+    def _finish(self, version: int, error: str | None) -> None:
+        """All ranks: agree on the outcome; raise the first failing rank's reason."""
+        flags = torch.tensor([1 if error else 0, -self._ctl_rank if error else -(1 << 30)],
+                             dtype=torch.int64)
+        self._ctl_wait(comm.allreduce_max(self._ctl, flags), "finish")
+        if flags[0].item() == 0:
+            return
+        src = int(-flags[1].item())
+        msg = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        if src == self._ctl_rank:
+            raw = error.encode()[:_MESSAGE_BYTES]  # type: ignore[union-attr]
+            msg[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self._ctl_wait(comm.broadcast(self._ctl, msg, src), "finish")
+        text = bytes(msg.numpy()).rstrip(b"\0").decode(errors="replace")
+        raise WeightSyncError(f"update to version {version} failed: {text}")
+
+    # --- sender ------------------------------------------------------------------------
+    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        self._check_ready("trainer")
+        start = time.perf_counter()
+        version = self.version + 1 if version is None else int(version)
+        error: str | None = None
+        stream: _Stream | None = None
+        try:
+            stream = resolve_stream(weights, self._stream_manifest)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = f"{self.where()}: reading the weight stream: {e}"
+        version, manifest = self._exchange_header(
+            version, stream.manifest if stream else None, error)
+        plan = self._plan(manifest)
+        if stream is not None and error is None and stream.manifest.fingerprint != manifest.fingerprint:
+            error = (f"{self.where()}: its weight stream differs from the sender root's "
+                     f"{manifest.first_difference(stream.manifest)}")
+        if stream is not None and stream.strict_dtype:
+            self._stream_manifest = stream.manifest
+        error, wire = self._send_buckets(plan, stream if error is None else None, version, error)
+        await asyncio.sleep(0)
+        if error and stream is not None and stream.strict_dtype:
+            self._stream_manifest = None  # relearn a plain stream's manifest next time
+        self._finish(version, error)
+        self.version = version
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
+                                      time.perf_counter() - start, len(plan))
+        return self.last_stats
+
+    def _send_buckets(self, plan: BucketPlan, stream: _Stream | None, version: int,
+                      error: str | None) -> tuple[str | None, int]:
+        manifest = plan.manifest
+        packer = buffers.Packer(plan)
+        it = stream.open(plan, lambda i: self._owners(plan, i), self.rank_in_senders) \
+            if stream is not None else None
+        current: tuple[int, torch.Tensor | None] = (-1, None)
+        wire = 0
+        for b in plan.buckets:
+            mine = self._packs(b)
+            slot = self._acquire(b) if mine else None
+            for c in b.chunks:
+                try:
+                    if it is not None and current[0] != c.index:
+                        packer.done_with(current[0])
+                        try:
+                            current = (c.index, _fetch(it, manifest[c.index], c.index,
+                                                       stream.strict_dtype))  # type: ignore[union-attr]
+                        except PlanError:
+                            raise
+                        except Exception as e:  # noqa: BLE001
+                            raise _StreamBroken(e) from e
+                    if mine and error is None and current[1] is not None:
+                        packer.pack(slot, c, current[1])  # type: ignore[arg-type]
+                    elif mine and error is None:
+                        raise PlanError(f"the weight source gave no data for {manifest[c.index].describe()} "
+                                        f"on the rank that packs it")
+                except _StreamBroken as e:
+                    it = None
+                    error = error or f"{self.where()}: the weight stream raised at " \
+                                     f"{manifest[c.index].describe()}: {e.__cause__!r}"
+                except Exception as e:  # noqa: BLE001
+                    error = error or f"{self.where()}: tensor {manifest[c.index].name!r}: {e}"
+            if mine:
+                buffers.write_trailer(slot, b, version,  # type: ignore[arg-type]
+                                      buffers.STATUS_ABORT if error else buffers.STATUS_OK,
+                                      error or "")
+                self._send(b, slot)  # type: ignore[arg-type]
+                wire += b.wire_bytes
+        packer.done_with(current[0])
+        if it is not None and error is None:
+            extra = next(it, None)
+            if extra is not None:
+                error = f"{self.where()}: the weight stream has more tensors than its manifest, " \
+                        f"first extra {extra[0]!r}"
+        self._flush_send(plan)
+        return error, wire
+
+    @property
+    def rank_in_senders(self) -> int:
+        return getattr(self, "trainer_rank", 0)
+
+    # --- receiver ----------------------------------------------------------------------
+    async def receive_weights(self, *, expected: Manifest | None = None
+                              ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        self._check_ready("rollout")
+        inner = self._receive_iter(expected)
+        try:
+            for item in inner:
+                yield item
+        finally:
+            inner.close()
+
+    def _receive_iter(self, expected: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+        start = time.perf_counter()
+        version, manifest = self._exchange_header(0, None, None)
+        plan = self._plan(manifest)
+        error: str | None = None
+        if expected is not None and expected.fingerprint != manifest.fingerprint:
+            error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
+                     f"expected manifest {expected.first_difference(manifest)}")
+        closed = False
+        assembler = buffers.Assembler(plan, self.device)
+        buckets = plan.buckets
+        for b in buckets[: self.num_buffers]:
+            self._post_recv(b)
+        for b in buckets:
+            slot = self._wait_recv(b)
+            status, msg = buffers.check_trailer(slot, b, version, f"{self.where()}")
+            if status != buffers.STATUS_OK and error is None:
+                error = msg or f"{self.where()}: bucket {b.index} arrived with status {status}"
+            if error is None and not closed:
+                try:
+                    for item in assembler.unpack(slot, b):
+                        try:
+                            yield item
+                        except GeneratorExit:
+                            closed = True
+                            error = (f"{self.where()}: the consumer stopped reading at tensor "
+                                     f"{item[0]!r} (bucket {b.index}); the update is incomplete")
+                            break
+                except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
+                    error = f"{self.where()}: unpacking bucket {b.index}: {e}"
+            self._release(b)
+            nxt = b.index + self.num_buffers
+            if nxt < len(buckets):
+                self._post_recv(buckets[nxt])
+        self._flush_recv(plan)
+        try:
+            self._finish(version, error)
+        except WeightSyncError:
+            if closed:  # the consumer has its own exception to report; ours is recorded
+                return
+            raise
+        self.version = version
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, plan.wire_bytes,
+                                      time.perf_counter() - start, len(plan))

@@ -1,0 +1,178 @@
+"""Backend ``collective``: broadcast over standalone process groups; registered as
+``gloo``, ``nccl`` and ``hccl``.
+
+Topology for T trainer ranks and R rollout ranks (global ranks: trainers 0..T-1, then
+rollouts T..T+R-1):
+
+- one gloo *control* group of all T+R ranks (header, final status: small CPU messages);
+- T *data* groups of the chosen backend, group i = {trainer i} + every rollout rank.
+  Bucket b is owned by trainer b mod T and broadcast over group b mod T, so every trainer
+  sends, and no trainer receives another's buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weightbus import buffers, comm
+from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry
+from weightbus.errors import PlanError
+from weightbus.plan import Bucket, BucketPlan
+
+
+@CheckpointEngineRegistry.register("hccl", pg_backend="hccl")
+@CheckpointEngineRegistry.register("nccl", pg_backend="nccl")
+@CheckpointEngineRegistry.register("gloo", pg_backend="gloo")
+class CollectiveEngine(BucketEngine):
+    """Broadcast engine. ``pg_backend`` picks the data plane (``gloo`` moves host
+    buckets, ``nccl``/``hccl`` device buckets)."""
+
+    def __init__(self, bucket_size: int | None = None, *, pg_backend: str = "gloo",
+                 **kwargs: Any):
+        if pg_backend == "gloo" and "device" not in kwargs:
+            kwargs["device"] = "cpu"
+        super().__init__(bucket_size, **kwargs)
+        if pg_backend == "nccl" and self.device.type != "cuda":
+            raise PlanError(f"backend 'nccl' needs a CUDA device, got {self.device}")
+        self.pg_backend = pg_backend
+        self._store_server: Any = None
+        self._token = ""
+        self._slots: list[torch.Tensor] = []
+        self._data: dict[int, Any] = {}  # trainer rank -> data group
+        self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
+        self._formed = 0  # how many times a group was formed under the current token
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device)}
+        if self.role != "rollout":
+            # Any trainer may become rank 0; the store of rank 0 is the rendezvous.
+            if self._store_server is None:
+                self._store_server = comm.serve_store(self.timeout)
+                self._token = f"{self._store_server.port}-{id(self):x}-{torch.randint(1 << 30, ()).item()}"
+            meta.update(port=self._store_server.port, token=self._token)
+        self._allocate()
+        return meta
+
+    def _allocate(self) -> None:
+        if not self._slots:
+            self._slots = [buffers.allocate(self.bucket_size, self.device)
+                           for _ in range(self.num_buffers)]
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        if trainer_world_size < 1 or rollout_world_size < 1:
+            raise PlanError(f"need at least one trainer and one rollout rank, got "
+                            f"{trainer_world_size} and {rollout_world_size}")
+        if len(metadata) != trainer_world_size + rollout_world_size:
+            raise PlanError(f"metadata has {len(metadata)} entries for "
+                            f"{trainer_world_size}+{rollout_world_size} ranks")
+        master = metadata[0]
+        if "port" not in master:
+            raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
+        common = {"trainer_world_size": trainer_world_size, "rollout_world_size": rollout_world_size,
+                  "master_addr": master["addr"], "master_port": master["port"],
+                  "token": master["token"]}
+        T, R = trainer_world_size, rollout_world_size
+        trainer = {k: [v] * T for k, v in common.items()} | {"rank": list(range(T))}
+        rollout = {k: [v] * R for k, v in common.items()} | {"rank": list(range(T, T + R))}
+        return trainer, rollout
+
+    def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
+                           master_addr: str, master_port: int, token: str) -> None:
+        T, R = trainer_world_size, rollout_world_size
+        self.rank, self.world_size = rank, T + R
+        self.role = "trainer" if rank < T else "rollout"
+        self.trainer_rank = rank if rank < T else -1
+        self.n_senders = T
+        self._drop_groups()
+        if token != self._token:
+            self._token, self._formed = token, 0
+        self._formed += 1
+        prefix = f"wb/{token}/{self._formed}"
+        store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
+        self._store = store
+        self._allocate()
+        self._ctl = comm.new_group("gloo", store, f"{prefix}/ctl", rank, T + R, self.timeout,
+                                   None, self.where())
+        self._ctl_rank = rank
+        owners = [rank] if rank < T else range(T)
+        for i in owners:
+            member = 0 if rank < T else 1 + rank - T
+            self._data[i] = comm.new_group(self.pg_backend, store, f"{prefix}/data{i}", member,
+                                           1 + R, self.timeout, self.device, self.where())
+        self._broken = None
+        self._peers_fingerprint = None
+
+    def rebuild_group(self, **kwargs: Any) -> None:
+        """Drop and re-form the groups with the same rendezvous (all ranks call it)."""
+        self.init_process_group(**kwargs)
+
+    def _drop_groups(self) -> None:
+        for pg in [self._ctl, *self._data.values()]:
+            if pg is not None and hasattr(pg, "abort") and self._broken:
+                try:
+                    pg.abort()
+                except Exception:  # noqa: BLE001 - already failed; nothing more to do
+                    pass
+        self._ctl, self._data, self._inflight = None, {}, {}
+
+    def finalize(self, destroy_group: bool = False) -> None:
+        self._wait_all("finalize")
+        self._slots = []
+        if destroy_group:
+            self._drop_groups()
+            self._store_server = None
+
+    # --- transport hooks ---------------------------------------------------------------
+    def _packs(self, b: Bucket) -> bool:
+        return b.owner == self.trainer_rank
+
+    def _owners(self, plan: BucketPlan, index: int) -> frozenset[int]:
+        return plan.owners_of(index)
+
+    def _wait(self, work: Any, phase: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(phase, e) from e
+
+    def _wait_all(self, phase: str) -> None:
+        for s, work in list(self._inflight.items()):
+            self._inflight.pop(s)
+            if not self._broken:
+                self._wait(work, phase)
+
+    def _acquire(self, b: Bucket) -> torch.Tensor:
+        # trainer i sends buckets i, i+T, ...: slots go by position among its own buckets
+        s = (b.index // self.n_senders) % self.num_buffers
+        work = self._inflight.pop(s, None)
+        if work is not None:
+            self._wait(work, f"send bucket {b.index - self.n_senders * self.num_buffers}")
+        return self._slots[s]
+
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+        s = (b.index // self.n_senders) % self.num_buffers
+        try:
+            self._inflight[s] = comm.broadcast(self._data[b.owner], slot[: b.wire_bytes], 0)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"send bucket {b.index}", e) from e
+
+    def _flush_send(self, plan: BucketPlan) -> None:
+        self._wait_all("send (flush)")
+
+    def _post_recv(self, b: Bucket) -> None:
+        s = b.index % self.num_buffers
+        try:
+            self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"receive bucket {b.index} from trainer rank {b.owner}", e) from e
+
+    def _wait_recv(self, b: Bucket) -> torch.Tensor:
+        s = b.index % self.num_buffers
+        work = self._inflight.pop(s)
+        self._wait(work, f"receive bucket {b.index} from trainer rank {b.owner}")
+        return self._slots[s]

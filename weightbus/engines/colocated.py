@@ -1,0 +1,340 @@
+"""Backend ``colocated`` (alias ``naive``): trainer and rollout on the same device.
+
+- One process (``init_process_group()`` never called, or called with no arguments): a
+  pass-through; the same engine's ``send_weights`` and ``receive_weights`` run as two
+  tasks of one event loop and tensors are handed over, cast to the wire dtype, no copy.
+- Across processes of one host: trainer rank i owns a ring of bucket slots that its
+  rollout ranks map (POSIX shared memory on the CPU, CUDA IPC handles on a GPU), shared
+  once at ``init_process_group``. Per bucket only two tiny messages move over the pair's
+  gloo group: *ready* (trainer -> rollouts, a broadcast) and *ack* (an all-reduce the
+  trainer waits on before it reuses the slot). Rollout rank r pairs with trainer r mod T;
+  every trainer packs every bucket for its own rollout ranks. Header and final status go
+  over one gloo control group of all ranks, so a failure anywhere fails the update
+  everywhere (a TP-sharded replica is never left half updated without knowing).
+
+The pair group issues its operations in one fixed order on every member: ready 0..S-1,
+then (ack b-S, ready b) for each later bucket, then the remaining acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from weightbus import buffers, comm
+from weightbus.engines.base import (
+    BucketEngine,
+    CheckpointEngineRegistry,
+    UpdateStats,
+    Weights,
+    resolve_stream,
+)
+from weightbus.errors import PlanError, WeightSyncError
+from weightbus.plan import Bucket, BucketPlan, Manifest
+
+_DONE = object()
+
+
+@CheckpointEngineRegistry.register("naive")
+@CheckpointEngineRegistry.register("colocated")
+class ColocatedEngine(BucketEngine):
+    """Same-device engine: pass-through in one process, shared buckets across processes."""
+
+    def __init__(self, bucket_size: int | None = None, **kwargs: Any):
+        super().__init__(bucket_size, **kwargs)
+        self._local = True
+        self._queue: asyncio.Queue | None = None
+        self._receiver_gone = False
+        self._store_server: Any = None
+        self._token = ""
+        self._formed = 0
+        self._shared: list[buffers.SharedBuffer] = []
+        self._slots: list[torch.Tensor] = []
+        self._works: list[Any] = []  # ready/ack operations not yet waited on
+        self._ready: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._acked = 0  # trainer: acks issued so far
+        self.n_trainers = 1
+        self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
+        self.rank = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"host": socket.gethostname(), "addr": comm.local_address(),
+                                "device": str(self.device)}
+        if self.role != "rollout":
+            if self._store_server is None:
+                self._store_server = comm.serve_store(self.timeout)
+                self._token = f"{self._store_server.port}-{id(self):x}-{torch.randint(1 << 30, ()).item()}"
+            self._allocate_slots()
+            meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
+        return meta
+
+    def _allocate_slots(self) -> None:
+        if self._slots:
+            return
+        if self.device.type == "cpu":
+            self._shared = [buffers.SharedBuffer(self.bucket_size) for _ in range(self.num_buffers)]
+            self._slots = [s.tensor for s in self._shared]
+        else:
+            self._slots = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
+
+    def _export_slots(self) -> list[Any]:
+        if self.device.type == "cpu":
+            return [("shm", s.name, s.nbytes) for s in self._shared]
+        from torch.multiprocessing.reductions import reduce_tensor
+        return [("cuda_ipc", reduce_tensor(t)) for t in self._slots]
+
+    @staticmethod
+    def _import_slots(spec: list[Any]) -> tuple[list[buffers.SharedBuffer], list[torch.Tensor]]:
+        shared, slots = [], []
+        for entry in spec:
+            if entry[0] == "shm":
+                sb = buffers.SharedBuffer(entry[2], name=entry[1])
+                shared.append(sb)
+                slots.append(sb.tensor)
+            else:
+                rebuild, args = entry[1]
+                slots.append(rebuild(*args))
+        return shared, slots
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        T, R = trainer_world_size, rollout_world_size
+        if T < 1 or R < 1:
+            raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
+        if len(metadata) != T + R:
+            raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+        for i in range(T):
+            if "slots" not in metadata[i]:
+                raise PlanError(f"metadata[{i}] must come from trainer rank {i} (role='trainer')")
+        members: list[list[int]] = [[r for r in range(R) if r % T == i] for i in range(T)]
+        endpoint = lambda m: {k: m[k] for k in ("addr", "port", "token", "slots")}  # noqa: E731
+        keys = ("rank", "world_size", "trainer_world_size", "master", "pair_rank", "pair_size", "peer")
+        trainer: dict[str, list] = {k: [] for k in keys}
+        rollout: dict[str, list] = {k: [] for k in keys}
+        for i in range(T):
+            for k, v in zip(keys, (i, T + R, T, endpoint(metadata[0]), 0, 1 + len(members[i]),
+                                   endpoint(metadata[i]))):
+                trainer[k].append(v)
+        for r in range(R):
+            i = r % T
+            if metadata[T + r]["host"] != metadata[i]["host"]:
+                raise PlanError(f"colocated: rollout rank {r} is on host {metadata[T + r]['host']!r} "
+                                f"but its trainer rank {i} is on {metadata[i]['host']!r}; "
+                                f"use a collective backend across hosts")
+            for k, v in zip(keys, (T + r, T + R, T, endpoint(metadata[0]), 1 + members[i].index(r),
+                                   1 + len(members[i]), endpoint(metadata[i]))):
+                rollout[k].append(v)
+        return trainer, rollout
+
+    def init_process_group(self, *, rank: int | None = None, world_size: int | None = None,
+                           trainer_world_size: int = 1, master: dict[str, Any] | None = None, pair_rank: int | None = None,
+                           pair_size: int | None = None, peer: dict[str, Any] | None = None) -> None:
+        """With no arguments: in-process pass-through. Otherwise join the control group
+        of all ranks and this rank's pair group."""
+        self._reset_group()
+        if peer is None or master is None:
+            self._local = True
+            return
+        assert rank is not None and world_size is not None and pair_rank is not None \
+            and pair_size is not None
+        self._local = False
+        self.rank = rank
+        self.role = "trainer" if pair_rank == 0 else "rollout"
+        self.trainer_rank = rank if pair_rank == 0 else -1
+        self.n_trainers = trainer_world_size
+        if master["token"] != self._token:
+            self._token, self._formed = master["token"], 0
+        self._formed += 1  # every member re-forms together, so the counts agree
+        prefix = f"wb/{master['token']}/{self._formed}"
+        if self.role == "rollout":
+            for sb in self._shared:
+                sb.close()
+            self._shared, self._slots = self._import_slots(peer["slots"])
+            if len(self._slots) != self.num_buffers:
+                raise PlanError(f"{self.where()}: the trainer has {len(self._slots)} slots, this "
+                                f"engine was built with num_buffers={self.num_buffers}")
+            self._bucket_size = int(self._slots[0].numel())
+        self._store = comm.connect_store(master["addr"], master["port"], self.timeout, self.where())
+        self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, world_size,
+                                   self.timeout, None, self.where())
+        self._ctl_rank = rank
+        if pair_size > 1:
+            store = comm.connect_store(peer["addr"], peer["port"], self.timeout, self.where())
+            self._pair = comm.new_group("gloo", store, f"{prefix}/pair", pair_rank, pair_size,
+                                        self.timeout, None, self.where())
+
+    rebuild_group = init_process_group
+
+    def _reset_group(self) -> None:
+        for pg in (self._ctl, self._pair):
+            if pg is not None and self._broken:
+                try:
+                    pg.abort()
+                except Exception:  # noqa: BLE001 - it failed already
+                    pass
+        self._ctl, self._pair, self._broken, self._peers_fingerprint = None, None, None, None
+        self._works, self._ready, self._acked = [], {}, 0
+
+    def finalize(self, destroy_group: bool = False) -> None:
+        if destroy_group:
+            self._reset_group()
+            for sb in self._shared:
+                sb.close()
+            self._shared, self._slots = [], []
+            self._store_server = None
+
+    # --- in-process pass-through, and trainers without rollout peers --------------------
+    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        if not self._local:
+            return await super().send_weights(weights, version=version)
+        start = time.perf_counter()
+        version = self.version + 1 if version is None else int(version)
+        stream = resolve_stream(weights, None)
+        manifest = stream.manifest
+        queue = self._local_queue()
+        self._receiver_gone = False
+        await self._put(queue, ("header", version, manifest))
+        error = None
+        try:
+            it = stream.open(None, lambda i: frozenset({0}), 0)  # type: ignore[arg-type]
+            for meta in manifest:
+                name, t = next(it)
+                if name != meta.name:
+                    raise PlanError(f"the weight stream gives {name!r} where the manifest has "
+                                    f"{meta.describe()}")
+                buffers.check_castable(meta, t)
+                await self._put(queue, (name, t if t.dtype == meta.dtype else t.to(meta.dtype)))
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the receiver too
+            error = f"{self.where()}: {e}"
+        await self._put(queue, (_DONE, error))
+        if error:
+            raise WeightSyncError(f"update to version {version} failed: {error}")
+        self.version = version
+        return UpdateStats(version, len(manifest), manifest.nbytes, 0, time.perf_counter() - start, 0)
+
+    def _local_queue(self) -> asyncio.Queue:
+        if self._queue is None:
+            self._queue = asyncio.Queue(maxsize=2)
+        return self._queue
+
+    async def _put(self, queue: asyncio.Queue, item: Any) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self._receiver_gone:
+                raise WeightSyncError(f"{self.where()}: the in-process receiver stopped reading")
+            try:
+                await asyncio.wait_for(queue.put(item), timeout=min(1.0, self.timeout))
+                return
+            except asyncio.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"{self.where()}: no in-process receiver took the weights "
+                                          f"within {self.timeout:.0f}s") from None
+
+    async def receive_weights(self, *, expected: Manifest | None = None
+                              ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if not self._local:
+            async for item in super().receive_weights(expected=expected):
+                yield item
+            return
+        queue = self._local_queue()
+        try:
+            kind, version, manifest = await asyncio.wait_for(queue.get(), self.timeout)
+        except asyncio.TimeoutError:
+            raise WeightSyncError(f"{self.where()}: no in-process sender within {self.timeout:.0f}s") from None
+        try:
+            if expected is not None:
+                expected.check_same(manifest, f"{self.where()}: incoming version {version}")
+            while True:
+                name, t = await asyncio.wait_for(queue.get(), self.timeout)
+                if name is _DONE:
+                    if t:
+                        raise WeightSyncError(f"update to version {version} failed: {t}")
+                    break
+                yield name, t
+        except BaseException:
+            self._receiver_gone = True
+            while not queue.empty():
+                queue.get_nowait()
+            raise
+        self.version = version
+
+    # --- transport hooks (across processes) ---------------------------------------------
+    def _packs(self, b: Bucket) -> bool:
+        return self._pair is not None  # a trainer with no rollout rank of its own packs nothing
+
+    def _owners(self, plan: BucketPlan, index: int) -> frozenset[int]:
+        # every trainer serves its own rollout ranks every tensor (same set on every rank,
+        # so sharded sources all-gather)
+        return frozenset(range(self.n_trainers))
+
+    def _op(self, work: Any, phase: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(phase, e) from e
+
+    def _ack(self, index: int) -> Any:
+        try:
+            return comm.allreduce_max(self._pair, torch.zeros(1, dtype=torch.int64))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"ack of bucket {index}", e) from e
+
+    def _acquire(self, b: Bucket) -> torch.Tensor:
+        if b.index >= self.num_buffers:
+            done = b.index - self.num_buffers
+            self._op(self._ack(done), f"waiting for the rollout ranks to release bucket {done}")
+            self._acked = done + 1
+        return self._slots[b.index % self.num_buffers]
+
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+        if slot.device.type == "cuda":
+            # the rollout ranks read the slot as soon as they see 'ready'
+            torch.cuda.current_stream(slot.device).synchronize()
+        try:
+            self._works.append(comm.broadcast(self._pair, torch.tensor([b.index, 0]), 0))
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"ready of bucket {b.index}", e) from e
+
+    def _flush_send(self, plan: BucketPlan) -> None:
+        if self._pair is None:
+            return
+        for i in range(self._acked, len(plan)):
+            self._works.append(self._ack(i))
+        works, self._works, self._acked = self._works, [], 0
+        for w in works:
+            self._op(w, "waiting for the rollout ranks to release the last buckets")
+
+    def _post_recv(self, b: Bucket) -> None:
+        msg = torch.zeros(2, dtype=torch.int64)
+        try:
+            self._ready[b.index] = (comm.broadcast(self._pair, msg, 0), msg)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"ready of bucket {b.index}", e) from e
+
+    def _wait_recv(self, b: Bucket) -> torch.Tensor:
+        work, msg = self._ready.pop(b.index)
+        self._op(work, f"waiting for the paired trainer to fill bucket {b.index}")
+        if int(msg[0]) != b.index:
+            raise self._fail(f"bucket {b.index}", RuntimeError(f"trainer announced bucket {int(msg[0])}"))
+        return self._slots[b.index % self.num_buffers]
+
+    def _release(self, b: Bucket) -> None:
+        slot = self._slots[b.index % self.num_buffers]
+        if slot.device.type == "cuda":
+            # the consumer's copies out of the slot must be done before the trainer reuses it
+            torch.cuda.current_stream().synchronize()
+        self._works.append(self._ack(b.index))
+
+    def _flush_recv(self, plan: BucketPlan) -> None:
+        works, self._works = self._works, []
+        for w in works:
+            self._op(w, "acknowledging the last buckets")

@@ -1,0 +1,247 @@
+"""Layer 1: what moves where. Pure functions of the manifest; no I/O, no devices.
+
+A :class:`Manifest` is the ordered list of tensors of one update (name, wire dtype, shape)
+with a fingerprint. A :class:`BucketPlan` maps it onto fixed-size byte buckets: every
+rank computes the same plan from the same manifest, so per-bucket metadata never has to
+travel; only the manifest does, once per change of fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from weightbus.errors import ManifestMismatch, PlanError
+
+#: Byte alignment of every tensor start inside a bucket (covers every dtype and the
+#: 128/256-byte sweet spots of GPU copies).
+ALIGNMENT = 256
+#: Bytes at the end of every sent bucket: magic, version, bucket index, status, ...
+TRAILER_BYTES = 64
+
+
+def _align(n: int, a: int = ALIGNMENT) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor as it travels: its (rollout-side) name, wire dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def describe(self) -> str:
+        return f"{self.name!r} {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+class Manifest:
+    """The ordered tensors of one update, with a stable fingerprint.
+
+    Names must be unique; a name that repeats is a :class:`PlanError` naming it.
+    """
+
+    def __init__(self, metas: Iterable[TensorMeta]):
+        self.metas: tuple[TensorMeta, ...] = tuple(metas)
+        seen: set[str] = set()
+        for m in self.metas:
+            if m.name in seen:
+                raise PlanError(f"duplicate tensor name {m.name!r} in the weight stream")
+            seen.add(m.name)
+            if any(s < 0 for s in m.shape):
+                raise PlanError(f"tensor {m.name!r} has a negative dimension {list(m.shape)}")
+
+    @classmethod
+    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        return cls(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named)
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def __iter__(self) -> Iterator[TensorMeta]:
+        return iter(self.metas)
+
+    def __getitem__(self, i: int) -> TensorMeta:
+        return self.metas[i]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Manifest) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return self.fingerprint
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+    @cached_property
+    def fingerprint(self) -> int:
+        """A signed 63-bit digest of (name, dtype, shape) of every tensor, in order."""
+        h = hashlib.blake2b(digest_size=8)
+        for m in self.metas:
+            h.update(f"{m.name}\0{m.dtype}\0{','.join(map(str, m.shape))}\n".encode())
+        return struct.unpack("<q", h.digest())[0] & 0x7FFF_FFFF_FFFF_FFFF
+
+    def to_bytes(self) -> bytes:
+        return pickle.dumps(
+            [(m.name, str(m.dtype).removeprefix("torch."), m.shape) for m in self.metas],
+            protocol=4,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        return cls(TensorMeta(n, getattr(torch, d), tuple(s)) for n, d, s in pickle.loads(data))
+
+    def first_difference(self, other: Manifest) -> str:
+        """A one-line description of where ``other`` (theirs) departs from ``self`` (ours)."""
+        for i, (a, b) in enumerate(zip(self.metas, other.metas)):
+            if a != b:
+                return f"at position {i}: ours {a.describe()}, theirs {b.describe()}"
+        if len(self) != len(other):
+            longer, which = (self, "ours") if len(self) > len(other) else (other, "theirs")
+            extra = longer.metas[min(len(self), len(other))]
+            return (f"{which} has more tensors ({len(self)} vs {len(other)}); first extra: "
+                    f"{extra.describe()}")
+        return "no difference"
+
+    def check_same(self, other: Manifest, where: str) -> None:
+        if self.fingerprint != other.fingerprint:
+            raise ManifestMismatch(f"{where}: manifests differ {self.first_difference(other)}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes ``[src_offset, src_offset + nbytes)`` of tensor ``index`` at ``dst_offset``."""
+
+    index: int
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    owner: int
+    chunks: tuple[Chunk, ...]
+    used: int  # payload bytes, end of the last chunk
+
+    @property
+    def trailer_offset(self) -> int:
+        return _align(self.used, 8)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes that actually move: the used payload plus the trailer."""
+        return self.trailer_offset + TRAILER_BYTES
+
+
+class BucketPlan:
+    """Deterministic packing of a manifest into buckets of ``bucket_size`` bytes.
+
+    Tensors start at :data:`ALIGNMENT`-aligned offsets. A tensor larger than the room in
+    the bucket is split into chunks at element boundaries (so a cast can write a chunk
+    straight into the bucket) and reassembled by the receiver. Bucket ``b`` is owned by
+    sender ``b % n_senders``.
+    """
+
+    def __init__(self, manifest: Manifest, bucket_size: int, n_senders: int = 1):
+        if n_senders < 1:
+            raise PlanError(f"n_senders must be >= 1, got {n_senders}")
+        if len(manifest) == 0:
+            raise PlanError("empty weight stream: there is nothing to send")
+        capacity = bucket_size - TRAILER_BYTES
+        if capacity < ALIGNMENT:
+            raise PlanError(
+                f"bucket_size={bucket_size} is too small: it must hold at least one "
+                f"{ALIGNMENT}-byte aligned slot plus the {TRAILER_BYTES}-byte trailer "
+                f"(minimum {ALIGNMENT + TRAILER_BYTES})")
+        self.manifest = manifest
+        self.bucket_size = bucket_size
+        self.capacity = capacity
+        self.n_senders = n_senders
+        self.buckets: tuple[Bucket, ...] = tuple(self._build())
+        # first and last bucket of every tensor (receivers yield a tensor when its last
+        # chunk has landed; sources gather a tensor only on the ranks that pack it)
+        owners: list[set[int]] = [set() for _ in manifest.metas]
+        for b in self.buckets:
+            for c in b.chunks:
+                owners[c.index].add(b.owner)
+        self._owners = [frozenset(o) for o in owners]
+
+    def _build(self) -> Iterator[Bucket]:
+        chunks: list[Chunk] = []
+        cursor = 0
+        index = 0
+
+        def close() -> Bucket:
+            nonlocal chunks, cursor, index
+            b = Bucket(index, index % self.n_senders, tuple(chunks), cursor)
+            chunks, cursor, index = [], 0, index + 1
+            return b
+
+        for i, m in enumerate(self.manifest.metas):
+            size, item = m.nbytes, m.itemsize
+            if size == 0:
+                chunks.append(Chunk(i, 0, 0, cursor))
+                continue
+            start = _align(cursor)
+            if start + size <= self.capacity:
+                chunks.append(Chunk(i, 0, size, start))
+                cursor = start + size
+                continue
+            if size <= self.capacity and chunks:
+                yield close()
+                chunks.append(Chunk(i, 0, size, 0))
+                cursor = size
+                continue
+            # larger than the room left: split at element boundaries
+            done = 0
+            while done < size:
+                start = _align(cursor)
+                room = (self.capacity - start) // item * item if start < self.capacity else 0
+                if room <= 0:
+                    yield close()
+                    continue
+                n = min(room, size - done)
+                chunks.append(Chunk(i, done, n, start))
+                cursor = start + n
+                done += n
+        if chunks:
+            yield close()
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def owners_of(self, tensor_index: int) -> frozenset[int]:
+        """Sender ranks that pack (some chunk of) tensor ``tensor_index``."""
+        return self._owners[tensor_index]
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.wire_bytes for b in self.buckets)
+
+    def owned_by(self, rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.owner == rank]

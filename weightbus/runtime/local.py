@@ -1,0 +1,89 @@
+"""Local processes: spawn workers with a deadline, and exchange small objects among them
+through a TCPStore (used to pass engine metadata between prepare and init)."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from weightbus.engines.base import CheckpointEngine
+from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, as_timedelta
+
+
+class Rendezvous:
+    """All-gather of picklable objects among ``world`` processes over one TCPStore."""
+
+    def __init__(self, addr: str, port: int, rank: int, world: int, *,
+                 timeout: float = DEFAULT_TIMEOUT, prefix: str = "rdv"):
+        self.rank, self.world, self.prefix = rank, world, prefix
+        self.store = dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
+        self._round = 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        self._round += 1
+        key = f"{self.prefix}/{self._round}"
+        self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+        return [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)]
+
+
+def connect(engine: CheckpointEngine, rdv: Rendezvous, trainer_world_size: int,
+            rollout_world_size: int) -> None:
+    """prepare -> all-gather metadata -> build_topology -> init_process_group, with the
+    rendezvous ranks laid out trainers first, then rollouts."""
+    metadata = rdv.all_gather(engine.prepare())
+    t_kw, r_kw = type(engine).build_topology(trainer_world_size, rollout_world_size, metadata)
+    T = trainer_world_size
+    kw, i = (t_kw, rdv.rank) if rdv.rank < T else (r_kw, rdv.rank - T)
+    engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+
+
+def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
+    try:
+        out.put((rank, True, fn(rank, *args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: float = 300.0,
+          allow_fail: frozenset[int] = frozenset()) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes; return their results by rank.
+
+    Raises :class:`WeightbusError` naming every rank that failed (with its traceback),
+    or that was still running after ``timeout`` seconds (it is killed). Ranks in
+    ``allow_fail`` may fail or die; their entry is then the error text.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < nprocs and time.monotonic() < deadline:
+        try:
+            rank, ok, value = out.get(timeout=0.2)
+            results[rank] = (ok, value)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if r not in results and not p.is_alive() and p.exitcode not in (None, 0):
+                    # died without reporting (killed, os._exit); give the queue a moment
+                    time.sleep(0.2)
+                    if r not in results and out.empty():
+                        results[r] = (False, f"process exited with code {p.exitcode}")
+    for r, p in enumerate(procs):
+        if r not in results:
+            results[r] = (False, f"still running after {timeout:.0f}s: killed")
+            p.kill()
+        p.join(5)
+    failed = {r: v for r, (ok, v) in results.items() if not ok and r not in allow_fail}
+    if failed:
+        raise WeightbusError("worker processes failed:\n" + "\n".join(
+            f"--- rank {r}: {v}" for r, v in sorted(failed.items())))
+    return [results[r][1] for r in range(nprocs)]

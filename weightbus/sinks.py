@@ -1,0 +1,102 @@
+"""Layer 4, rollout side: load a received stream into a model.
+
+A sink consumes the *whole* stream even when something does not fit, so the engine's
+update completes on every rank, then reports everything that was missing, unexpected or
+mis-shaped in one :class:`SinkError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weightbus.errors import SinkError
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    bytes: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self) -> str:
+        parts = []
+        for what, names in (("missing", self.missing), ("unexpected", self.unexpected),
+                            ("mismatched", self.mismatched)):
+            if names:
+                shown = ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
+                parts.append(f"{what}: {shown}")
+        return "; ".join(parts)
+
+
+class ModuleSink:
+    """Copies received tensors into a module's parameters and buffers *in place*: every
+    tensor keeps its storage (and address), so CUDA graphs and views stay valid.
+
+    Args:
+        module: the rollout model.
+        strict: raise :class:`SinkError` if any expected tensor did not arrive, or an
+            unknown one did. Shape mismatches always raise.
+        allow_cast: accept a received dtype that differs from the parameter's (cast on
+            copy). Off by default: a silent cast hides a dtype-policy bug.
+        name_map: received name -> module name (``None`` drops the tensor).
+    """
+
+    def __init__(self, module: nn.Module, *, strict: bool = True, allow_cast: bool = False,
+                 name_map: Callable[[str], str | None] | None = None):
+        self.module = module
+        self.strict = strict
+        self.allow_cast = allow_cast
+        self.name_map = name_map
+        self.targets: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+
+    def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
+        key = self.name_map(name) if self.name_map is not None else name
+        if key is None:
+            return
+        target = self.targets.get(key)
+        if target is None:
+            report.unexpected.append(name)
+            return
+        if tuple(target.shape) != tuple(t.shape):
+            report.mismatched.append(f"{key} (got {list(t.shape)}, model has {list(target.shape)})")
+            return
+        if target.dtype != t.dtype and not self.allow_cast:
+            report.mismatched.append(f"{key} (got {t.dtype}, model has {target.dtype})")
+            return
+        with torch.no_grad():
+            target.detach().copy_(t, non_blocking=True)
+        seen.add(key)
+        report.loaded += 1
+        report.bytes += t.numel() * t.element_size()
+
+    def _close(self, report: LoadReport, seen: set[str]) -> LoadReport:
+        report.missing = [k for k in self.targets if k not in seen]
+        if report.mismatched or (self.strict and not report.ok):
+            raise SinkError(f"loading into {type(self.module).__name__} failed: {report.describe()}")
+        return report
+
+    async def load(self, stream: AsyncIterable[tuple[str, torch.Tensor]]) -> LoadReport:
+        """Consume an engine's ``receive_weights()`` to the end."""
+        report, seen = LoadReport(), set()
+        async with contextlib.aclosing(stream) as s:  # type: ignore[type-var]
+            async for name, t in s:
+                self._load_one(name, t, report, seen)
+        return self._close(report, seen)
+
+    def load_iter(self, stream: Iterable[tuple[str, torch.Tensor]]) -> LoadReport:
+        """The same for a plain iterable."""
+        report, seen = LoadReport(), set()
+        for name, t in stream:
+            self._load_one(name, t, report, seen)
+        return self._close(report, seen)

@@ -1,0 +1,114 @@
+"""Layer 4, trainer side: turn a model into the ``(name, tensor)`` stream engines send.
+
+Name mapping and the dtype policy live here, not in engines. The source *declares* the
+wire dtype in its manifest and hands over the tensors as they are; the engine's packer
+casts while copying into the bucket, so the cast happens once, on the tensor's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightbus.plan import Manifest, TensorMeta
+
+NameMap = Callable[[str], "str | None"]
+
+try:  # DTensor (FSDP2, TP) is optional at import time
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - torch without distributed tensor
+    DTensor = None  # type: ignore[assignment,misc]
+    Shard = None  # type: ignore[assignment,misc]
+
+
+def _is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+class ModuleSource:
+    """The weights of an ``nn.Module`` (or a state dict), in ``state_dict`` order.
+
+    Args:
+        weights: a module or a mapping of name to tensor; DTensor values (FSDP2, TP) are
+            allowed.
+        dtype: wire dtype for floating-point tensors (e.g. ``torch.bfloat16``); integer
+            and bool tensors keep theirs. ``None`` keeps every dtype.
+        name_map: trainer name -> rollout name; returning ``None`` drops the tensor.
+
+    Iterating yields full tensors on every rank (DTensors are all-gathered), which is the
+    contract every engine accepts. Engines that know which trainer rank packs a tensor
+    call :meth:`iter_for` instead, which gathers a sharded tensor only to that rank.
+    """
+
+    def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype | None = None, name_map: NameMap | None = None):
+        items = weights.state_dict() if isinstance(weights, nn.Module) else dict(weights)
+        self.dtype = dtype
+        self._items: list[tuple[str, torch.Tensor]] = []
+        metas = []
+        for name, t in items.items():
+            out = name_map(name) if name_map is not None else name
+            if out is None:
+                continue
+            self._items.append((out, t))
+            metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
+        self.manifest = Manifest(metas)
+
+    def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        if self.dtype is not None and t.is_floating_point():
+            return self.dtype
+        return t.dtype
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._items:
+            yield name, t.full_tensor() if _is_dtensor(t) else t.detach()
+
+    def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int
+                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Like iterating, but a sharded tensor is materialised only on the trainer ranks
+        in ``owners(i)``; the others get ``None``. Every trainer rank must iterate (the
+        gathers are collectives of the tensor's mesh). Trainer rank r is taken to be rank
+        r of the tensor's device-mesh group."""
+        for i, (name, t) in enumerate(self._items):
+            if not _is_dtensor(t):
+                yield name, t.detach()
+                continue
+            need = owners(i)
+            if len(need) == 1 and _gatherable(t):
+                yield name, _gather_to(t, next(iter(need)), self.wire_dtype(t))
+            else:
+                full = t.full_tensor()
+                yield name, full if rank in need else None
+
+
+def _gatherable(t: Any) -> bool:
+    mesh = t.device_mesh
+    return mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0)
+
+
+def _gather_to(t: Any, owner: int, wire: torch.dtype) -> torch.Tensor | None:
+    """Gather a dim-0 sharded DTensor to one rank of its mesh, cast to the wire dtype
+    first so the gather moves (and the owner holds) wire bytes only."""
+    group = t.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = t.shape[0]
+    rows = -(-n // world) if n else 0  # torch.chunk's split: ceil, last ranks short or empty
+    local = t.to_local().detach()
+    local = local.to(wire) if local.dtype != wire and local.is_floating_point() else local
+    padded = local.new_zeros((rows, *t.shape[1:]))
+    if local.shape[0]:
+        padded[: local.shape[0]].copy_(local)
+    pieces = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
+    dist.gather(padded, pieces, dst=dist.get_global_rank(group, owner), group=group)
+    if me != owner:
+        return None
+    sizes = [max(0, min(rows, n - r * rows)) for r in range(world)]
+    return torch.cat([p[:s] for p, s in zip(pieces, sizes)]) if n else padded  # type: ignore[arg-type]
