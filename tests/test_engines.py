@@ -74,9 +74,9 @@ def test_peer_lost_mid_update_fails_fast_then_recovers(port, backend, mode):
         assert "error" in trainer[2] and "error" in survivor[2]
     for side in (trainer, survivor):
         if "error" in side[2]:
-            assert side[2]["seconds"] < 5.0 * 3  # within the deadline (5 s), not a hang
-    assert trainer[3]["ok"] == 1 + trainer[1]["ok"] or "ok" in trainer[3]
-    assert survivor[3]["ok"] == trainer[3]["expected"]
+            assert side[2]["seconds"] < 3.0 * 2  # within the deadline (3 s), not a hang
+    assert trainer[3]["ok"] == 2  # versions go on from the last complete update
+    assert survivor[3]["ok"] == trainer[3]["expected"]  # bitwise, after re-forming
 
 
 def test_colocated_in_process_pass_through():
@@ -94,7 +94,8 @@ def test_colocated_in_process_pass_through():
         trainer.step(k)
         stats, report = asyncio.run(update())
         assert stats.version == k and engine.version == k and report.loaded == len(rollout.state_dict())
-        for (n, a), (_, b) in zip(trainer.state_dict().items(), rollout.state_dict().items()):
+        for (n, a), (_, b) in zip(trainer.state_dict().items(), rollout.state_dict().items(),
+                                      strict=True):
             assert torch.equal(a.to(b.dtype) if a.is_floating_point() else a, b), n
         now = rollout.emb.weight.clone()
         assert before is None or not torch.equal(now, before)

@@ -116,7 +116,7 @@ class Manifest:
 
     def first_difference(self, other: Manifest) -> str:
         """A one-line description of where ``other`` (theirs) departs from ``self`` (ours)."""
-        for i, (a, b) in enumerate(zip(self.metas, other.metas)):
+        for i, (a, b) in enumerate(zip(self.metas, other.metas, strict=False)):
             if a != b:
                 return f"at position {i}: ours {a.describe()}, theirs {b.describe()}"
         if len(self) != len(other):

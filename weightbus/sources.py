@@ -111,4 +111,4 @@ def _gather_to(t: Any, owner: int, wire: torch.dtype) -> torch.Tensor | None:
     if me != owner:
         return None
     sizes = [max(0, min(rows, n - r * rows)) for r in range(world)]
-    return torch.cat([p[:s] for p, s in zip(pieces, sizes)]) if n else padded  # type: ignore[arg-type]
+    return torch.cat([p[:s] for p, s in zip(pieces, sizes, strict=True)]) if n else padded  # type: ignore[arg-type]

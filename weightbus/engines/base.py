@@ -143,7 +143,8 @@ class CheckpointEngineRegistry:
     _engines: ClassVar[dict[str, tuple[type[CheckpointEngine], dict[str, Any]]]] = {}
 
     @classmethod
-    def register(cls, name: str, **defaults: Any) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
+    def register(cls, name: str, **defaults: Any
+                 ) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
         """Class decorator; stack it to register one class under several names, each
         with its own constructor defaults."""
 

@@ -118,24 +118,28 @@ class ColocatedEngine(BucketEngine):
         keys = ("rank", "world_size", "trainer_world_size", "master", "pair_rank", "pair_size", "peer")
         trainer: dict[str, list] = {k: [] for k in keys}
         rollout: dict[str, list] = {k: [] for k in keys}
+
+        def add(side: dict[str, list], *values: Any) -> None:
+            for k, v in zip(keys, values, strict=True):
+                side[k].append(v)
+
         for i in range(T):
-            for k, v in zip(keys, (i, T + R, T, endpoint(metadata[0]), 0, 1 + len(members[i]),
-                                   endpoint(metadata[i]))):
-                trainer[k].append(v)
+            add(trainer, i, T + R, T, endpoint(metadata[0]), 0, 1 + len(members[i]),
+                endpoint(metadata[i]))
         for r in range(R):
             i = r % T
             if metadata[T + r]["host"] != metadata[i]["host"]:
                 raise PlanError(f"colocated: rollout rank {r} is on host {metadata[T + r]['host']!r} "
                                 f"but its trainer rank {i} is on {metadata[i]['host']!r}; "
                                 f"use a collective backend across hosts")
-            for k, v in zip(keys, (T + r, T + R, T, endpoint(metadata[0]), 1 + members[i].index(r),
-                                   1 + len(members[i]), endpoint(metadata[i]))):
-                rollout[k].append(v)
+            add(rollout, T + r, T + R, T, endpoint(metadata[0]), 1 + members[i].index(r),
+                1 + len(members[i]), endpoint(metadata[i]))
         return trainer, rollout
 
     def init_process_group(self, *, rank: int | None = None, world_size: int | None = None,
-                           trainer_world_size: int = 1, master: dict[str, Any] | None = None, pair_rank: int | None = None,
-                           pair_size: int | None = None, peer: dict[str, Any] | None = None) -> None:
+                           trainer_world_size: int = 1, master: dict[str, Any] | None = None,
+                           pair_rank: int | None = None, pair_size: int | None = None,
+                           peer: dict[str, Any] | None = None) -> None:
         """With no arguments: in-process pass-through. Otherwise join the control group
         of all ranks and this rank's pair group."""
         self._reset_group()
@@ -249,7 +253,8 @@ class ColocatedEngine(BucketEngine):
         try:
             kind, version, manifest = await asyncio.wait_for(queue.get(), self.timeout)
         except asyncio.TimeoutError:
-            raise WeightSyncError(f"{self.where()}: no in-process sender within {self.timeout:.0f}s") from None
+            raise WeightSyncError(
+                f"{self.where()}: no in-process sender within {self.timeout:.0f}s") from None
         try:
             if expected is not None:
                 expected.check_same(manifest, f"{self.where()}: incoming version {version}")

@@ -70,13 +70,18 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
         try:
             rank, ok, value = out.get(timeout=0.2)
             results[rank] = (ok, value)
+            continue
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in results and not p.is_alive() and p.exitcode not in (None, 0):
-                    # died without reporting (killed, os._exit); give the queue a moment
-                    time.sleep(0.2)
-                    if r not in results and out.empty():
-                        results[r] = (False, f"process exited with code {p.exitcode}")
+            pass
+        exited = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+        if exited:  # gone without a result (killed, os._exit): drain what is in flight first
+            time.sleep(0.5)
+            while not out.empty():
+                rank, ok, value = out.get()
+                results[rank] = (ok, value)
+            for r in exited:
+                results.setdefault(r, (False, f"process exited with code {procs[r].exitcode} "
+                                              f"without a result"))
     for r, p in enumerate(procs):
         if r not in results:
             results[r] = (False, f"still running after {timeout:.0f}s: killed")
