@@ -93,6 +93,45 @@ class SharedBuffer:
             pass
 
 
+def expandable_segments() -> bool:
+    """Whether PyTorch's CUDA caching allocator uses expandable segments."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+class CupyIpcBuffer:
+    """A device buffer from a plain cudaMalloc (through CuPy), exportable as a CUDA IPC
+    handle even when PyTorch's allocator uses expandable segments."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        import cupy
+
+        with cupy.cuda.Device(device.index):
+            self._mem = cupy.cuda.Memory(nbytes)
+            self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._mem.ptr))
+        self.nbytes, self.device = nbytes, device
+        self.tensor = _wrap_device_pointer(self._mem.ptr, nbytes, device, owner=self._mem)
+
+    @staticmethod
+    def open(handle: bytes, nbytes: int, device_index: int) -> torch.Tensor:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device_index)
+        return _wrap_device_pointer(ptr, nbytes, torch.device("cuda", device_index), owner=mem)
+
+
+def _wrap_device_pointer(ptr: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
+    import cupy
+
+    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8,
+                       memptr=cupy.cuda.MemoryPointer(owner, 0))  # type: ignore[arg-type]
+    t = torch.as_tensor(arr, device=device)
+    t._weightbus_owner = (owner, arr)  # type: ignore[attr-defined]  # keeps the memory mapped
+    return t
+
+
 def allocate(nbytes: int, device: torch.device, *, pin: bool = False) -> torch.Tensor:
     """A plain bucket on ``device`` (pinned when asked and the device is the host)."""
     if device.type == "cpu":
@@ -189,6 +228,30 @@ def write_trailer(bucket: torch.Tensor, b: Bucket, version: int, status: int = S
     words = torch.tensor([MAGIC, version, b.index, status, len(msg), 0, 0, 0], dtype=torch.int64)
     bucket[b.trailer_offset:b.trailer_offset + TRAILER_BYTES].copy_(
         words.view(torch.uint8), non_blocking=bucket.device.type != "cpu")
+
+
+class Stamper:
+    """Writes trailers into device buckets through small pinned staging buffers (one per
+    bucket slot), so the sender never issues a pageable host-to-device copy, which would
+    make the host wait for the whole stream."""
+
+    def __init__(self) -> None:
+        self._staging: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def stamp(self, bucket: torch.Tensor, b: Bucket, version: int, status: int = STATUS_OK,
+              message: str = "") -> None:
+        if bucket.device.type != "cuda" or message:
+            write_trailer(bucket, b, version, status, message)
+            return
+        key = bucket.data_ptr()
+        if key not in self._staging:
+            self._staging[key] = (torch.empty(8, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        staging, done = self._staging[key]
+        done.synchronize()  # the copy that last read this staging buffer has run
+        staging.copy_(torch.tensor([MAGIC, version, b.index, status, 0, 0, 0, 0], dtype=torch.int64))
+        bucket[b.trailer_offset:b.trailer_offset + TRAILER_BYTES].copy_(
+            staging.view(torch.uint8), non_blocking=True)
+        done.record()
 
 
 def read_trailer(bucket: torch.Tensor, b: Bucket) -> tuple[int, int, int, int, str]:

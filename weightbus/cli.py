@@ -31,6 +31,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in rows) else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from weightbus.bench import SCENARIOS, main_bench
+
+    gpu = torch.cuda.is_available()
+    scenarios = args.scenario or list(SCENARIOS)
+    if gpu and torch.cuda.device_count() < 2:
+        scenarios = [s for s in scenarios if s == "colocated"]
+        print("one GPU: only the colocated scenario runs", flush=True)
+    presets_ = args.preset or (["8b"] if gpu else ["tiny"])
+    return main_bench(scenarios, presets_, args.iters, args.bucket_mb, args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weightbus", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -44,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--bucket-mb", type=int, default=16)
     d.add_argument("--json", help="also write the rows as JSON to this file")
     d.set_defaults(fn=_demo)
+    b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run")
+    b.add_argument("--scenario", action="append", choices=["colocated", "disaggregated", "hybrid-fsdp"],
+                   help="repeatable; default: all three")
+    b.add_argument("--preset", action="append",
+                   help="tiny, 0.6b, 8b, 32b (repeatable; default: tiny on CPU, 8b on GPU)")
+    b.add_argument("--iters", type=int, default=5)
+    b.add_argument("--bucket-mb", type=int, help="default: sized from free memory")
+    b.add_argument("--json", help="write the rows as JSON to this file")
+    b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

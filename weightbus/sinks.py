@@ -8,7 +8,7 @@ mis-shaped in one :class:`SinkError`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +44,7 @@ class ModuleSink:
     tensor keeps its storage (and address), so CUDA graphs and views stay valid.
 
     Args:
-        module: the rollout model.
+        module: the rollout model, or a mapping of name to the tensors to update.
         strict: raise :class:`SinkError` if any expected tensor did not arrive, or an
             unknown one did. Shape mismatches always raise.
         allow_cast: accept a received dtype that differs from the parameter's (cast on
@@ -52,13 +52,14 @@ class ModuleSink:
         name_map: received name -> module name (``None`` drops the tensor).
     """
 
-    def __init__(self, module: nn.Module, *, strict: bool = True, allow_cast: bool = False,
-                 name_map: Callable[[str], str | None] | None = None):
+    def __init__(self, module: nn.Module | Mapping[str, torch.Tensor], *, strict: bool = True,
+                 allow_cast: bool = False, name_map: Callable[[str], str | None] | None = None):
         self.module = module
         self.strict = strict
         self.allow_cast = allow_cast
         self.name_map = name_map
-        self.targets: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        self.targets: dict[str, torch.Tensor] = (
+            dict(module.state_dict(keep_vars=True)) if isinstance(module, nn.Module) else dict(module))
 
     def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
         key = self.name_map(name) if self.name_map is not None else name

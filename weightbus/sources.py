@@ -82,7 +82,9 @@ class ModuleSource:
                 continue
             need = owners(i)
             if len(need) == 1 and _gatherable(t):
-                yield name, _gather_to(t, next(iter(need)), self.wire_dtype(t))
+                yield name, _gather(t, self.wire_dtype(t), to=next(iter(need)))
+            elif len(need) == t.device_mesh.size() and _gatherable(t):
+                yield name, _gather(t, self.wire_dtype(t), to=None)
             else:
                 full = t.full_tensor()
                 yield name, full if rank in need else None
@@ -93,9 +95,10 @@ def _gatherable(t: Any) -> bool:
     return mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0)
 
 
-def _gather_to(t: Any, owner: int, wire: torch.dtype) -> torch.Tensor | None:
-    """Gather a dim-0 sharded DTensor to one rank of its mesh, cast to the wire dtype
-    first so the gather moves (and the owner holds) wire bytes only."""
+def _gather(t: Any, wire: torch.dtype, to: int | None) -> torch.Tensor | None:
+    """Gather a dim-0 sharded DTensor to one rank of its mesh (``to``) or to all of them
+    (``None``), cast to the wire dtype first so the gather moves (and the receiver holds)
+    wire bytes only: half of fp32's for bf16."""
     group = t.device_mesh.get_group()
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -103,12 +106,17 @@ def _gather_to(t: Any, owner: int, wire: torch.dtype) -> torch.Tensor | None:
     rows = -(-n // world) if n else 0  # torch.chunk's split: ceil, last ranks short or empty
     local = t.to_local().detach()
     local = local.to(wire) if local.dtype != wire and local.is_floating_point() else local
-    padded = local.new_zeros((rows, *t.shape[1:]))
-    if local.shape[0]:
+    if local.shape[0] == rows:
+        padded = local.contiguous()
+    else:
+        padded = local.new_zeros((rows, *t.shape[1:]))
         padded[: local.shape[0]].copy_(local)
-    pieces = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
-    dist.gather(padded, pieces, dst=dist.get_global_rank(group, owner), group=group)
-    if me != owner:
-        return None
-    sizes = [max(0, min(rows, n - r * rows)) for r in range(world)]
-    return torch.cat([p[:s] for p, s in zip(pieces, sizes, strict=True)]) if n else padded  # type: ignore[arg-type]
+    # every rank's real rows come first and in rank order (only the last ranks are short),
+    # so the full tensor is the first n rows of the concatenation
+    if to is None:
+        out = padded.new_empty((world * rows, *t.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return out[:n]
+    pieces = [torch.empty_like(padded) for _ in range(world)] if me == to else None
+    dist.gather(padded, pieces, dst=dist.get_global_rank(group, to), group=group)
+    return torch.cat(pieces)[:n] if pieces is not None else None

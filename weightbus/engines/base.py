@@ -263,6 +263,7 @@ class BucketEngine(CheckpointEngine):
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
+        self._stamper = buffers.Stamper()
         self.n_senders = 1
 
     # --- transport hooks -------------------------------------------------------------
@@ -452,9 +453,8 @@ class BucketEngine(CheckpointEngine):
                 except Exception as e:  # noqa: BLE001
                     error = error or f"{self.where()}: tensor {manifest[c.index].name!r}: {e}"
             if mine:
-                buffers.write_trailer(slot, b, version,  # type: ignore[arg-type]
-                                      buffers.STATUS_ABORT if error else buffers.STATUS_OK,
-                                      error or "")
+                self._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
+                                    buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
                 self._send(b, slot)  # type: ignore[arg-type]
                 wire += b.wire_bytes
         packer.done_with(current[0])

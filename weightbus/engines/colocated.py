@@ -54,6 +54,7 @@ class ColocatedEngine(BucketEngine):
         self._token = ""
         self._formed = 0
         self._shared: list[buffers.SharedBuffer] = []
+        self._ipc: list[buffers.CupyIpcBuffer] = []
         self._slots: list[torch.Tensor] = []
         self._works: list[Any] = []  # ready/ack operations not yet waited on
         self._ready: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -80,12 +81,19 @@ class ColocatedEngine(BucketEngine):
         if self.device.type == "cpu":
             self._shared = [buffers.SharedBuffer(self.bucket_size) for _ in range(self.num_buffers)]
             self._slots = [s.tensor for s in self._shared]
+        elif buffers.expandable_segments():
+            # memory from expandable segments cannot be exported as a CUDA IPC handle
+            self._ipc = [buffers.CupyIpcBuffer(self.bucket_size, self.device)
+                         for _ in range(self.num_buffers)]
+            self._slots = [b.tensor for b in self._ipc]
         else:
             self._slots = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
 
     def _export_slots(self) -> list[Any]:
         if self.device.type == "cpu":
             return [("shm", s.name, s.nbytes) for s in self._shared]
+        if self._ipc:
+            return [("cupy_ipc", b.handle, b.nbytes, b.device.index) for b in self._ipc]
         from torch.multiprocessing.reductions import reduce_tensor
         return [("cuda_ipc", reduce_tensor(t)) for t in self._slots]
 
@@ -97,6 +105,8 @@ class ColocatedEngine(BucketEngine):
                 sb = buffers.SharedBuffer(entry[2], name=entry[1])
                 shared.append(sb)
                 slots.append(sb.tensor)
+            elif entry[0] == "cupy_ipc":
+                slots.append(buffers.CupyIpcBuffer.open(*entry[1:]))
             else:
                 rebuild, args = entry[1]
                 slots.append(rebuild(*args))
@@ -191,7 +201,7 @@ class ColocatedEngine(BucketEngine):
             self._reset_group()
             for sb in self._shared:
                 sb.close()
-            self._shared, self._slots = [], []
+            self._shared, self._slots, self._ipc = [], [], []
             self._store_server = None
 
     # --- in-process pass-through, and trainers without rollout peers --------------------

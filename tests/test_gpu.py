@@ -1,0 +1,80 @@
+"""GPU paths (skipped without CUDA): NCCL between two GPUs and CUDA IPC on one, several
+updates with changing weights, odd shapes, a tensor larger than the bucket, with
+PyTorch's expandable segments on and off. Run on the device machine."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
+from weightbus.demo import digest
+from weightbus.runtime.local import Rendezvous, connect, spawn
+
+pytestmark = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_2gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def _weights(k: int, device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(k)
+    return {"big": torch.randn(3_000_001, device=device, generator=g),  # 6 MB bf16 > 1 MiB bucket
+            "odd": torch.randn(37, 129, device=device, generator=g),
+            "t": torch.randn(64, 48, device=device, generator=g).t(),  # non-contiguous
+            "half": torch.randn(5, 7, device=device, generator=g).half(),
+            "ids": torch.randint(0, 1000, (17,), device=device, generator=g),
+            "mask": torch.rand(33, device=device, generator=g) > 0.5,
+            "scalar": torch.randn((), device=device, generator=g),
+            "empty": torch.empty(0, 8, device=device)}
+
+
+def gpu_worker(rank: int, backend: str, port: int, expandable: bool):
+    if expandable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    index = rank if backend == "nccl" else 0
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 20, device=device, timeout=120,
+                                          role="trainer" if rank == 0 else "rollout")
+    connect(engine, rdv, 1, 1)
+    out = []
+    target = None
+    for k in range(1, 4):
+        rdv.all_gather(None)
+        if rank == 0:
+            src = ModuleSource(_weights(k, device), dtype=torch.bfloat16)
+            asyncio.run(engine.send_weights(src, version=k))
+            out.append({n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src})
+        else:
+            if target is None:
+                w = _weights(0, device)
+                target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+                                         device=device) for n, t in w.items()}
+                ptrs = {n: t.data_ptr() for n, t in target.items()}
+            asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+            torch.cuda.synchronize()
+            assert all(t.data_ptr() == ptrs[n] for n, t in target.items())  # updated in place
+            out.append({n: digest(t.cpu()) for n, t in target.items()})
+    engine.finalize(destroy_group=True)
+    return out
+
+
+def _check(port, backend, expandable):
+    trainer, rollout = spawn(gpu_worker, 2, (backend, port, expandable), timeout=300)
+    assert rollout == trainer
+    assert trainer[0] != trainer[1] != trainer[2]  # weights changed between updates
+
+
+@needs_2gpu
+@pytest.mark.parametrize("expandable", [False, True])
+def test_nccl_two_gpus_bitwise(port, expandable):
+    _check(port, "nccl", expandable)
+
+
+@needs_gpu
+@pytest.mark.parametrize("expandable", [False, True])
+def test_colocated_cuda_ipc_bitwise(port, expandable):
+    _check(port, "colocated", expandable)

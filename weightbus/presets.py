@@ -1,0 +1,66 @@
+"""Model-shaped workloads for benchmarks: the state-dict layout of Qwen3 models (public
+HF config numbers), so tensor counts and shapes are realistic."""
+
+from __future__ import annotations
+
+QWEN3: dict[str, dict[str, int | bool]] = {
+    # a tiny member of the family, for smoke runs and CI
+    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+             "vocab_size": 4096, "tie_word_embeddings": False},
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "vocab_size": 151936, "tie_word_embeddings": True},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "vocab_size": 151936, "tie_word_embeddings": False},
+    "qwen3-32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                  "vocab_size": 151936, "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
+}
+ALIASES = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b", "32b": "qwen3-32b", "30b-a3b": "qwen3-30b-a3b"}
+
+
+def shapes(preset: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor of the preset, in HF state-dict order."""
+    c = QWEN3[ALIASES.get(preset, preset)]
+    h, heads, kv, hd = (int(c[k]) for k in ("hidden_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (int(c["vocab_size"]), h))]
+    for i in range(int(c["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)),
+                (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                (p + "self_attn.v_proj.weight", (kv * hd, h)),
+                (p + "self_attn.o_proj.weight", (h, heads * hd)),
+                (p + "self_attn.q_norm.weight", (hd,)),
+                (p + "self_attn.k_norm.weight", (hd,))]
+        if "num_experts" in c:
+            e, m = int(c["num_experts"]), int(c["moe_intermediate_size"])
+            out.append((p + "mlp.gate.weight", (e, h)))
+            for j in range(e):
+                q = f"{p}mlp.experts.{j}."
+                out += [(q + "gate_proj.weight", (m, h)), (q + "up_proj.weight", (m, h)),
+                        (q + "down_proj.weight", (h, m))]
+        else:
+            m = int(c["intermediate_size"])
+            out += [(p + "mlp.gate_proj.weight", (m, h)), (p + "mlp.up_proj.weight", (m, h)),
+                    (p + "mlp.down_proj.weight", (h, m))]
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if not c["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (int(c["vocab_size"]), h)))
+    return out
+
+
+def nbytes(preset: str, itemsize: int = 2) -> int:
+    total = 0
+    for _, s in shapes(preset):
+        n = 1
+        for d in s:
+            n *= d
+        total += n * itemsize
+    return total
