@@ -15,3 +15,8 @@ fi
 args=(); for p in "${presets[@]}"; do args+=(--preset "$p"); done
 timeout "${BENCH_TIMEOUT:-420}" python -m weightbus.cli bench "${args[@]}" --iters "${ITERS:-5}" \
   ${SCENARIOS:-} --json "$OUT/bench.json" 2>&1 | grep -v Warning | tee "$OUT/bench.log" | tail -25
+# optional bucket-size sweep of one scenario: SWEEP="256 512" SWEEP_SCENARIO=disaggregated
+for mb in ${SWEEP:-}; do
+  timeout 200 python -m weightbus.cli bench --preset "${presets[-1]}" --scenario "${SWEEP_SCENARIO:-disaggregated}" \
+    --bucket-mb "$mb" --iters 3 --json "$OUT/sweep_$mb.json" 2>&1 | grep -v Warning | tail -1
+done

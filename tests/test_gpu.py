@@ -29,7 +29,7 @@ def _weights(k: int, device: torch.device) -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 8, device=device)}
 
 
-def gpu_worker(rank: int, backend: str, port: int, expandable: bool):
+def gpu_worker(rank: int, backend: str, port: int, expandable: bool, direct: bool = False):
     if expandable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -39,9 +39,18 @@ def gpu_worker(rank: int, backend: str, port: int, expandable: bool):
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
     engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 20, device=device, timeout=120,
                                           role="trainer" if rank == 0 else "rollout")
-    connect(engine, rdv, 1, 1)
-    out = []
     target = None
+    if rank == 1:
+        w = _weights(0, device)
+        target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+                                 device=device) for n, t in w.items()}
+        ptrs = {n: t.data_ptr() for n, t in target.items()}
+        if direct:
+            engine.set_destinations(target)
+    connect(engine, rdv, 1, 1)
+    if direct:
+        assert engine._direct
+    out = []
     for k in range(1, 4):
         rdv.all_gather(None)
         if rank == 0:
@@ -49,21 +58,30 @@ def gpu_worker(rank: int, backend: str, port: int, expandable: bool):
             asyncio.run(engine.send_weights(src, version=k))
             out.append({n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src})
         else:
-            if target is None:
-                w = _weights(0, device)
-                target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
-                                         device=device) for n, t in w.items()}
-                ptrs = {n: t.data_ptr() for n, t in target.items()}
             asyncio.run(ModuleSink(target).load(engine.receive_weights()))
             torch.cuda.synchronize()
             assert all(t.data_ptr() == ptrs[n] for n, t in target.items())  # updated in place
             out.append({n: digest(t.cpu()) for n, t in target.items()})
+    if direct:  # a tensor the rollout does not have: every rank fails, naming it
+        rdv.all_gather(None)
+        try:
+            if rank == 0:
+                extra = {**_weights(9, device), "surplus": torch.ones(3, device=device)}
+                asyncio.run(engine.send_weights(ModuleSource(extra, dtype=torch.bfloat16), version=9))
+            else:
+                asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+            out.append("no error")
+        except Exception as e:  # noqa: BLE001
+            out.append(str(e))
     engine.finalize(destroy_group=True)
     return out
 
 
-def _check(port, backend, expandable):
-    trainer, rollout = spawn(gpu_worker, 2, (backend, port, expandable), timeout=300)
+def _check(port, backend, expandable, direct=False):
+    trainer, rollout = spawn(gpu_worker, 2, (backend, port, expandable, direct), timeout=300)
+    if direct:
+        assert "surplus" in trainer[-1] and "surplus" in rollout[-1], (trainer[-1], rollout[-1])
+        trainer, rollout = trainer[:-1], rollout[:-1]
     assert rollout == trainer
     assert trainer[0] != trainer[1] != trainer[2]  # weights changed between updates
 
@@ -78,3 +96,8 @@ def test_nccl_two_gpus_bitwise(port, expandable):
 @pytest.mark.parametrize("expandable", [False, True])
 def test_colocated_cuda_ipc_bitwise(port, expandable):
     _check(port, "colocated", expandable)
+
+
+@needs_gpu
+def test_colocated_direct_into_rollout_tensors(port):
+    _check(port, "colocated", False, direct=True)

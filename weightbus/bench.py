@@ -11,6 +11,8 @@ memory on the CPU):
   broadcast tensor by tensor, straight into the rollout's tensors.
 - ``hybrid-fsdp``: 2 FSDP2 trainer ranks on 2 devices, each with a colocated rollout
   process; floor = an all-gather of the same bf16 bytes among the trainers.
+- ``*-direct``: the colocated engine in direct mode: the rollout's tensors are exported
+  once and the trainer writes straight into them (GPU only).
 
 Trainer weights are fp32 and delivered as bf16; they change between iterations; after
 the timed iterations every rollout tensor is checked against the trainer's (checksums
@@ -37,7 +39,7 @@ from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 
-SCENARIOS = ("colocated", "disaggregated", "hybrid-fsdp")
+SCENARIOS = ("colocated", "colocated-direct", "disaggregated", "hybrid-fsdp", "hybrid-fsdp-direct")
 WIRE = torch.bfloat16
 
 
@@ -114,16 +116,21 @@ def _timed(rdv: Rendezvous, device: torch.device, fn: Any) -> float:
     return max(rdv.all_gather(time.perf_counter() - t0))
 
 
-def _peak_extra(device: torch.device, base: int) -> int:
-    return torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
-
-
-def _memory_base(device: torch.device) -> int:
+def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, int]:
+    """Like _timed, plus the transient device memory the call allocated at its peak."""
     if device.type != "cuda":
-        return 0
+        return _timed(rdv, device, fn), 0
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_allocated(device)
+    t = _timed(rdv, device, fn)
+    return t, torch.cuda.max_memory_allocated(device) - base
+
+
+def _engine_bytes(engine: CheckpointEngine) -> int:
+    """Device bytes the engine holds between updates on this rank (its bucket slots)."""
+    return sum(s.numel() for s in getattr(engine, "_slots", []) if s.device.type == "cuda"
+               and not getattr(engine, "_ipc_imported", False))
 
 
 def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]) -> None:
@@ -150,7 +157,6 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=cfg.timeout)
     trainer = rank == 0
     weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
-    base = _memory_base(device)
     engine = CheckpointEngineRegistry.new(
         "nccl" if cfg.gpu else "gloo", device=device, timeout=cfg.timeout,
         bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
@@ -175,20 +181,21 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             w.wait()
 
     times: dict[str, list[float]] = {"floor": [], "naive": [], "weightbus": []}
+    peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
         if trainer:
             _mutate(weights)
         t_floor = _timed(rdv, device, lambda: raw_broadcast(engine, plan, floor_slots))
         t_naive = _timed(rdv, device, naive)
-        mem_base = _memory_base(device)
-        t_wb = _timed(rdv, device, weightbus)
+        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
+        peak = max(peak, peak_now)
         if it:
             times["floor"].append(t_floor)
             times["naive"].append(t_naive)
             times["weightbus"].append(t_wb)
     check = _checksums({n: t for n, t in weights.items()})
-    result = {"times": times, "checksums": check, "peak_extra": _peak_extra(device, mem_base),
-              "engine_buffers": engine.num_buffers * engine.bucket_size, "base": base}
+    result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
+              "engine_buffers": engine.num_buffers * engine.bucket_size}
     engine.finalize(destroy_group=True)
     return result
 
@@ -198,6 +205,16 @@ def _manifest_of(cfg: BenchConfig) -> Any:
     return Manifest(TensorMeta(n, WIRE, s) for n, s in presets.shapes(cfg.preset))
 
 
+def _colocated_engine(cfg: BenchConfig, device: torch.device, trainer: bool,
+                      weights: dict[str, torch.Tensor] | None) -> CheckpointEngine:
+    engine = CheckpointEngineRegistry.new(
+        "colocated", device=device, timeout=cfg.timeout,
+        bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
+    if cfg.scenario.endswith("-direct") and not trainer:
+        engine.set_destinations(weights)  # type: ignore[attr-defined,arg-type]
+    return engine
+
+
 def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     device = _device(cfg, 0)
     if device.type == "cuda":
@@ -205,9 +222,7 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=cfg.timeout)
     trainer = rank == 0
     weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
-    engine = CheckpointEngineRegistry.new(
-        "colocated", device=device, timeout=cfg.timeout,
-        bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
+    engine = _colocated_engine(cfg, device, trainer, weights)
     connect(engine, rdv, 1, 1)
     source = ModuleSource(weights, dtype=WIRE) if trainer else None
     biggest = max(t.numel() for t in weights.values())
@@ -227,18 +242,18 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
 
     times: dict[str, list[float]] = {"floor": [], "weightbus": []}
-    mem_base = 0
+    peak = 0
     for it in range(cfg.iters + 1):
         if trainer:
             _mutate(weights)
         t_floor = _timed(rdv, device, floor)
-        mem_base = _memory_base(device)
-        t_wb = _timed(rdv, device, weightbus)
+        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
+        peak = max(peak, peak_now)
         if it:
             times["floor"].append(t_floor)
             times["weightbus"].append(t_wb)
     result = {"times": times, "checksums": _checksums(weights),
-              "peak_extra": _peak_extra(device, mem_base),
+              "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
     engine.finalize(destroy_group=True)
     return result
@@ -260,9 +275,7 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
         weights = None
     else:
         weights = _rollout_weights(cfg, device)
-    engine = CheckpointEngineRegistry.new(
-        "colocated", device=device, timeout=cfg.timeout,
-        bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
+    engine = _colocated_engine(cfg, device, trainer, weights)
     connect(engine, rdv, T, T)
     source = ModuleSource(model, dtype=WIRE) if trainer else None
     chunk = (engine.bucket_size // 2 // T) * T  # bytes per all-gather, like a bucket's worth
@@ -284,13 +297,13 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
             asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
 
     times: dict[str, list[float]] = {"floor": [], "weightbus": []}
-    mem_base = 0
+    peak = 0
     for it in range(cfg.iters + 1):
         if trainer:
             _mutate(dict(model.named_parameters()))
         t_floor = _timed(rdv, device, floor)
-        mem_base = _memory_base(device)
-        t_wb = _timed(rdv, device, weightbus)
+        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
+        peak = max(peak, peak_now)
         if it:
             times["floor"].append(t_floor)
             times["weightbus"].append(t_wb)
@@ -300,7 +313,7 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
         del full
     else:
         check = _checksums(weights)  # type: ignore[arg-type]
-    result = {"times": times, "checksums": check, "peak_extra": _peak_extra(device, mem_base),
+    result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
     engine.finalize(destroy_group=True)
     if trainer:
@@ -319,7 +332,7 @@ def fits(cfg: BenchConfig) -> str | None:
     biggest = max(s[0] * (s[1] if len(s) > 1 else 1) for _, s in presets.shapes(cfg.preset)) * 2
     slack = 4 * 2**30 + 4 * biggest  # buckets, floor buffers, a cast tensor, allocator
     need = {"disaggregated": 4 * params, "colocated": 6 * params,
-            "hybrid-fsdp": 4 * params + 2 * params}[cfg.scenario] + slack
+            "hybrid-fsdp": 4 * params + 2 * params}[cfg.scenario.removesuffix("-direct")] + slack
     free = torch.cuda.mem_get_info(0)[0]
     if need > free:
         return f"needs ~{need / 2**30:.0f} GiB on one GPU, {free / 2**30:.0f} GiB free"
@@ -334,10 +347,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.scenario == "disaggregated":
         res = spawn(_disaggregated, 2, (cfg, store.port), timeout=cfg.timeout * 3)
         trainer, rollouts = res[0], res[1:]
-    elif cfg.scenario == "colocated":
+    elif cfg.scenario in ("colocated", "colocated-direct"):
         res = spawn(_colocated, 2, (cfg, store.port), timeout=cfg.timeout * 3)
         trainer, rollouts = res[0], res[1:]
-    elif cfg.scenario == "hybrid-fsdp":
+    elif cfg.scenario in ("hybrid-fsdp", "hybrid-fsdp-direct"):
         tmp = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         train_port = tmp.port
         del tmp

@@ -37,9 +37,9 @@ def _bench(args: argparse.Namespace) -> int:
     from weightbus.bench import SCENARIOS, main_bench
 
     gpu = torch.cuda.is_available()
-    scenarios = args.scenario or list(SCENARIOS)
+    scenarios = args.scenario or [s for s in SCENARIOS if gpu or not s.endswith("-direct")]
     if gpu and torch.cuda.device_count() < 2:
-        scenarios = [s for s in scenarios if s == "colocated"]
+        scenarios = [s for s in scenarios if s.startswith("colocated")]
         print("one GPU: only the colocated scenario runs", flush=True)
     presets_ = args.preset or (["8b"] if gpu else ["tiny"])
     return main_bench(scenarios, presets_, args.iters, args.bucket_mb, args.json)
@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", help="also write the rows as JSON to this file")
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run")
-    b.add_argument("--scenario", action="append", choices=["colocated", "disaggregated", "hybrid-fsdp"],
-                   help="repeatable; default: all three")
+    b.add_argument("--scenario", action="append",
+                   choices=["colocated", "colocated-direct", "disaggregated", "hybrid-fsdp",
+                            "hybrid-fsdp-direct"], help="repeatable; default: all")
     b.add_argument("--preset", action="append",
                    help="tiny, 0.6b, 8b, 32b (repeatable; default: tiny on CPU, 8b on GPU)")
     b.add_argument("--iters", type=int, default=5)

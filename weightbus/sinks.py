@@ -75,8 +75,9 @@ class ModuleSink:
         if target.dtype != t.dtype and not self.allow_cast:
             report.mismatched.append(f"{key} (got {t.dtype}, model has {target.dtype})")
             return
-        with torch.no_grad():
-            target.detach().copy_(t, non_blocking=True)
+        if not (target.data_ptr() == t.data_ptr() and target.stride() == t.stride()):
+            with torch.no_grad():  # (an engine in direct mode already wrote it in place)
+                target.detach().copy_(t, non_blocking=True)
         seen.add(key)
         report.loaded += 1
         report.bytes += t.numel() * t.element_size()

@@ -70,12 +70,17 @@ class ModuleSource:
         for name, t in self._items:
             yield name, t.full_tensor() if _is_dtensor(t) else t.detach()
 
-    def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int
+    def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int,
+                 into: Callable[[int], torch.Tensor | None] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Like iterating, but a sharded tensor is materialised only on the trainer ranks
         in ``owners(i)``; the others get ``None``. Every trainer rank must iterate (the
         gathers are collectives of the tensor's mesh). Trainer rank r is taken to be rank
-        r of the tensor's device-mesh group."""
+        r of the tensor's device-mesh group.
+
+        ``into(i)`` may name where tensor i should land (wire dtype, full shape, e.g. the
+        rollout's own parameter mapped over CUDA IPC): a gather to every rank then writes
+        straight into it and the yielded tensor *is* that target."""
         for i, (name, t) in enumerate(self._items):
             if not _is_dtensor(t):
                 yield name, t.detach()
@@ -84,7 +89,8 @@ class ModuleSource:
             if len(need) == 1 and _gatherable(t):
                 yield name, _gather(t, self.wire_dtype(t), to=next(iter(need)))
             elif len(need) == t.device_mesh.size() and _gatherable(t):
-                yield name, _gather(t, self.wire_dtype(t), to=None)
+                yield name, _gather(t, self.wire_dtype(t), to=None,
+                                    out=into(i) if into is not None else None)
             else:
                 full = t.full_tensor()
                 yield name, full if rank in need else None
@@ -95,10 +101,11 @@ def _gatherable(t: Any) -> bool:
     return mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0)
 
 
-def _gather(t: Any, wire: torch.dtype, to: int | None) -> torch.Tensor | None:
+def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
     """Gather a dim-0 sharded DTensor to one rank of its mesh (``to``) or to all of them
-    (``None``), cast to the wire dtype first so the gather moves (and the receiver holds)
-    wire bytes only: half of fp32's for bf16."""
+    (``None``, into ``out`` when it fits), cast to the wire dtype first so the gather
+    moves (and the receiver holds) wire bytes only: half of fp32's for bf16."""
     group = t.device_mesh.get_group()
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -114,9 +121,14 @@ def _gather(t: Any, wire: torch.dtype, to: int | None) -> torch.Tensor | None:
     # every rank's real rows come first and in rank order (only the last ranks are short),
     # so the full tensor is the first n rows of the concatenation
     if to is None:
-        out = padded.new_empty((world * rows, *t.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=group)
-        return out[:n]
+        if (out is not None and rows * world == n and out.dtype == padded.dtype
+                and tuple(out.shape) == tuple(t.shape) and out.is_contiguous()
+                and out.device == padded.device):
+            dist.all_gather_into_tensor(out, padded, group=group)  # straight into the target
+            return out
+        full = padded.new_empty((world * rows, *t.shape[1:]))
+        dist.all_gather_into_tensor(full, padded, group=group)
+        return full[:n]
     pieces = [torch.empty_like(padded) for _ in range(world)] if me == to else None
     dist.gather(padded, pieces, dst=dist.get_global_rank(group, to), group=group)
     return torch.cat(pieces)[:n] if pieces is not None else None

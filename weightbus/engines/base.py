@@ -194,8 +194,7 @@ class _Stream:
     """The sender's view of one update's weights: a manifest plus an iterator that yields
     ``(name, tensor)`` in manifest order (tensor ``None`` where this rank need not hold it)."""
 
-    def __init__(self, manifest: Manifest, open_: Callable[[BucketPlan, Callable[[int], frozenset[int]], int],
-                                                             Iterator[tuple[str, torch.Tensor | None]]],
+    def __init__(self, manifest: Manifest, open_: Callable[..., Iterator[tuple[str, torch.Tensor | None]]],
                  strict_dtype: bool):
         self.manifest = manifest
         self.open = open_
@@ -214,7 +213,11 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
     manifest = getattr(weights, "manifest", None)
     if isinstance(manifest, Manifest):
         if hasattr(weights, "iter_for"):
-            return _Stream(manifest, lambda plan, owners, rank: weights.iter_for(owners, rank), False)
+            def open_(plan: Any, owners: Any, rank: int, into: Any = None) -> Any:
+                if into is not None:
+                    return weights.iter_for(owners, rank, into=into)
+                return weights.iter_for(owners, rank)
+            return _Stream(manifest, open_, False)
         return _Stream(manifest, lambda plan, owners, rank: iter(weights), False)
     if cached is not None:
         return _Stream(cached, lambda plan, owners, rank: iter(weights), True)
@@ -225,7 +228,7 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
     return _Stream(Manifest.from_tensors(items), lambda plan, owners, rank: iter(items), True)
 
 
-def _fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, position: int,
+def fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, position: int,
            strict_dtype: bool) -> torch.Tensor | None:
     try:
         name, t = next(it)
@@ -244,7 +247,7 @@ def _fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, posi
     return t
 
 
-class _StreamBroken(Exception):
+class StreamBroken(Exception):
     """The user's iterator raised: it cannot be advanced any more."""
 
 
@@ -435,18 +438,18 @@ class BucketEngine(CheckpointEngine):
                     if it is not None and current[0] != c.index:
                         packer.done_with(current[0])
                         try:
-                            current = (c.index, _fetch(it, manifest[c.index], c.index,
+                            current = (c.index, fetch(it, manifest[c.index], c.index,
                                                        stream.strict_dtype))  # type: ignore[union-attr]
                         except PlanError:
                             raise
                         except Exception as e:  # noqa: BLE001
-                            raise _StreamBroken(e) from e
+                            raise StreamBroken(e) from e
                     if mine and error is None and current[1] is not None:
                         packer.pack(slot, c, current[1])  # type: ignore[arg-type]
                     elif mine and error is None:
                         raise PlanError(f"the weight source gave no data for {manifest[c.index].describe()} "
                                         f"on the rank that packs it")
-                except _StreamBroken as e:
+                except StreamBroken as e:
                     it = None
                     error = error or f"{self.where()}: the weight stream raised at " \
                                      f"{manifest[c.index].describe()}: {e.__cause__!r}"

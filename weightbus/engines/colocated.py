@@ -14,6 +14,14 @@
 
 The pair group issues its operations in one fixed order on every member: ready 0..S-1,
 then (ack b-S, ready b) for each later bucket, then the remaining acks.
+
+*Direct* mode (GPU): a rollout rank that calls :meth:`ColocatedEngine.set_destinations`
+before ``prepare()`` exports its own tensors once over CUDA IPC; its trainer then writes
+every tensor straight into them (a cast-copy, or the FSDP all-gather itself), with no
+bucket and no second copy. Only the header and the final status move per update. The
+rollout must be paused during the update (it always is in hybrid training) and must
+call ``prepare()`` again if it reallocates those tensors (e.g. after a sleep/wake that
+frees them).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +38,10 @@ from weightbus import buffers, comm
 from weightbus.engines.base import (
     BucketEngine,
     CheckpointEngineRegistry,
+    StreamBroken,
     UpdateStats,
     Weights,
+    fetch,
     resolve_stream,
 )
 from weightbus.errors import PlanError, WeightSyncError
@@ -60,6 +70,9 @@ class ColocatedEngine(BucketEngine):
         self._ready: dict[int, tuple[Any, torch.Tensor]] = {}
         self._acked = 0  # trainer: acks issued so far
         self.n_trainers = 1
+        self._dest: dict[str, torch.Tensor] | None = None  # rollout: direct-mode targets
+        self._direct = False
+        self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
         self.rank = 0
 
@@ -73,7 +86,22 @@ class ColocatedEngine(BucketEngine):
                 self._token = f"{self._store_server.port}-{id(self):x}-{torch.randint(1 << 30, ()).item()}"
             self._allocate_slots()
             meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
+        elif self._dest is not None and self._can_export(self._dest):
+            from torch.multiprocessing.reductions import reduce_tensor
+            meta["direct"] = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                               reduce_tensor(t.detach())) for n, t in self._dest.items()]
         return meta
+
+    def set_destinations(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Rollout side, before ``prepare()``: ask the trainer to write straight into these
+        tensors (direct mode; CUDA only, and not with expandable segments, whose memory
+        cannot be exported). Without CUDA the bucket path is used instead."""
+        self._dest = dict(named)
+
+    @staticmethod
+    def _can_export(named: Mapping[str, torch.Tensor]) -> bool:
+        return bool(named) and not buffers.expandable_segments() and all(
+            t.device.type == "cuda" and t.is_contiguous() for t in named.values())
 
     def _allocate_slots(self) -> None:
         if self._slots:
@@ -125,7 +153,9 @@ class ColocatedEngine(BucketEngine):
                 raise PlanError(f"metadata[{i}] must come from trainer rank {i} (role='trainer')")
         members: list[list[int]] = [[r for r in range(R) if r % T == i] for i in range(T)]
         endpoint = lambda m: {k: m[k] for k in ("addr", "port", "token", "slots")}  # noqa: E731
-        keys = ("rank", "world_size", "trainer_world_size", "master", "pair_rank", "pair_size", "peer")
+        direct = all("direct" in metadata[T + r] for r in range(R))
+        keys = ("rank", "world_size", "trainer_world_size", "master", "pair_rank", "pair_size", "peer",
+                "direct")
         trainer: dict[str, list] = {k: [] for k in keys}
         rollout: dict[str, list] = {k: [] for k in keys}
 
@@ -135,7 +165,7 @@ class ColocatedEngine(BucketEngine):
 
         for i in range(T):
             add(trainer, i, T + R, T, endpoint(metadata[0]), 0, 1 + len(members[i]),
-                endpoint(metadata[i]))
+                endpoint(metadata[i]), [metadata[T + r]["direct"] for r in members[i]] if direct else None)
         for r in range(R):
             i = r % T
             if metadata[T + r]["host"] != metadata[i]["host"]:
@@ -143,13 +173,13 @@ class ColocatedEngine(BucketEngine):
                                 f"but its trainer rank {i} is on {metadata[i]['host']!r}; "
                                 f"use a collective backend across hosts")
             add(rollout, T + r, T + R, T, endpoint(metadata[0]), 1 + members[i].index(r),
-                1 + len(members[i]), endpoint(metadata[i]))
+                1 + len(members[i]), endpoint(metadata[i]), direct)
         return trainer, rollout
 
     def init_process_group(self, *, rank: int | None = None, world_size: int | None = None,
                            trainer_world_size: int = 1, master: dict[str, Any] | None = None,
                            pair_rank: int | None = None, pair_size: int | None = None,
-                           peer: dict[str, Any] | None = None) -> None:
+                           peer: dict[str, Any] | None = None, direct: Any = None) -> None:
         """With no arguments: in-process pass-through. Otherwise join the control group
         of all ranks and this rank's pair group."""
         self._reset_group()
@@ -171,6 +201,7 @@ class ColocatedEngine(BucketEngine):
             for sb in self._shared:
                 sb.close()
             self._shared, self._slots = self._import_slots(peer["slots"])
+            self._ipc_imported = True  # the trainer's memory, mapped: not ours
             if len(self._slots) != self.num_buffers:
                 raise PlanError(f"{self.where()}: the trainer has {len(self._slots)} slots, this "
                                 f"engine was built with num_buffers={self.num_buffers}")
@@ -179,6 +210,14 @@ class ColocatedEngine(BucketEngine):
         self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, world_size,
                                    self.timeout, None, self.where())
         self._ctl_rank = rank
+        self._direct = bool(direct)
+        if self._direct:
+            # trainer: map each paired rollout rank's tensors once; rollout: nothing to map
+            self._targets = [{n: rebuild(*args) for n, _, _, (rebuild, args) in spec}
+                             for spec in direct] if self.role == "trainer" else []
+            if self.device.type == "cuda":  # no bucket ever moves: give the slots back
+                self._slots, self._ipc = [], []
+            return
         if pair_size > 1:
             store = comm.connect_store(peer["addr"], peer["port"], self.timeout, self.where())
             self._pair = comm.new_group("gloo", store, f"{prefix}/pair", pair_rank, pair_size,
@@ -194,6 +233,7 @@ class ColocatedEngine(BucketEngine):
                 except Exception:  # noqa: BLE001 - it failed already
                     pass
         self._ctl, self._pair, self._broken, self._peers_fingerprint = None, None, None, None
+        self._targets, self._direct = [], False
         self._works, self._ready, self._acked = [], {}, 0
 
     def finalize(self, destroy_group: bool = False) -> None:
@@ -206,6 +246,8 @@ class ColocatedEngine(BucketEngine):
 
     # --- in-process pass-through, and trainers without rollout peers --------------------
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        if not self._local and self._direct:
+            return self._send_direct(weights, version)
         if not self._local:
             return await super().send_weights(weights, version=version)
         start = time.perf_counter()
@@ -255,6 +297,10 @@ class ColocatedEngine(BucketEngine):
 
     async def receive_weights(self, *, expected: Manifest | None = None
                               ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if not self._local and self._direct:
+            for item in self._receive_direct(expected):
+                yield item
+            return
         if not self._local:
             async for item in super().receive_weights(expected=expected):
                 yield item
@@ -281,6 +327,81 @@ class ColocatedEngine(BucketEngine):
                 queue.get_nowait()
             raise
         self.version = version
+
+    # --- direct mode ---------------------------------------------------------------------
+    @staticmethod
+    def _misfit(manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> str | None:
+        """Why ``manifest`` cannot be written into ``targets`` (None if it can)."""
+        names = {m.name for m in manifest}
+        problems = [f"missing on the rollout: {m.describe()}" for m in manifest if m.name not in targets]
+        problems += [f"the rollout has {n!r} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+                     f"the trainer sends {m.describe()}"
+                     for m in manifest for n, t in [(m.name, targets.get(m.name))]
+                     if t is not None and (t.dtype != m.dtype or tuple(t.shape) != m.shape)]
+        problems += [f"never sent: {n!r}" for n in targets if n not in names]
+        return "; ".join(problems[:5]) or None
+
+    def _send_direct(self, weights: Weights, version: int | None) -> UpdateStats:
+        self._check_ready("trainer")
+        start = time.perf_counter()
+        version = self.version + 1 if version is None else int(version)
+        error: str | None = None
+        stream = None
+        try:
+            stream = resolve_stream(weights, self._stream_manifest)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            error = f"{self.where()}: reading the weight stream: {e}"
+        version, manifest = self._exchange_header(version, stream.manifest if stream else None, error)
+        if stream is not None and error is None and stream.manifest.fingerprint != manifest.fingerprint:
+            error = (f"{self.where()}: its weight stream differs from the sender root's "
+                     f"{manifest.first_difference(stream.manifest)}")
+        for targets in self._targets:
+            why = self._misfit(manifest, targets)
+            if why and error is None:
+                error = f"{self.where()}: direct mode: {why}"
+        if stream is not None:
+            first = self._targets[0] if self._targets and error is None else None
+            into = (lambda i: first[manifest[i].name]) if first is not None else None
+            it = stream.open(None, lambda i: frozenset(range(self.n_trainers)), self.trainer_rank,
+                             into=into)
+            for i, meta in enumerate(manifest):
+                try:
+                    t = fetch(it, meta, i, stream.strict_dtype)
+                    if error is None and t is not None:
+                        for targets in self._targets:
+                            dst = targets[meta.name]
+                            if dst.data_ptr() != t.data_ptr():
+                                dst.copy_(t, non_blocking=True)  # the cast, straight into the rollout
+                except StreamBroken as e:
+                    error = error or f"{self.where()}: the weight stream raised at {meta.describe()}: {e}"
+                    break
+                except Exception as e:  # noqa: BLE001
+                    error = error or f"{self.where()}: tensor {meta.name!r}: {e}"
+                    if not isinstance(e, PlanError):
+                        break
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+        self._finish(version, error)
+        self.version = version
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes,
+                                      manifest.nbytes * len(self._targets), time.perf_counter() - start, 0)
+        return self.last_stats
+
+    def _receive_direct(self, expected: Manifest | None) -> Any:
+        self._check_ready("rollout")
+        start = time.perf_counter()
+        version, manifest = self._exchange_header(0, None, None)
+        error = None
+        if expected is not None and expected.fingerprint != manifest.fingerprint:
+            error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
+                     f"expected manifest {expected.first_difference(manifest)}")
+        self._finish(version, error)  # the trainer has written everything, or every rank raises
+        self.version = version
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,
+                                      time.perf_counter() - start, 0)
+        assert self._dest is not None
+        for m in manifest:
+            yield m.name, self._dest[m.name]
 
     # --- transport hooks (across processes) ---------------------------------------------
     def _packs(self, b: Bucket) -> bool:
