@@ -122,3 +122,8 @@ def test_demo_fsdp2_trainers_verified():
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["verified"] for r in rows)
     assert rows[0]["floor_gbps"] > 0
+
+
+def test_receive_into_destinations_in_place(port):
+    trainer, rollout = spawn(workers.into_destinations, 2, (port,), timeout=120)
+    assert trainer == rollout and trainer[0] != trainer[1]

@@ -228,3 +228,32 @@ def dies_mid_update(rank: int, backend: str, port: int, mode: str):
     out[3] = res
     engine.finalize(destroy_group=True)
     return out
+
+
+def into_destinations(rank: int, port: int):
+    """Rollout ranks receive straight into their own tensors (set_destinations): split
+    tensors land in place, the sink sees the same storage, every update bitwise."""
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 14, timeout=30,
+                                          role="trainer" if rank == 0 else "rollout")
+    model = Mixed()
+    if rank == 1:
+        ptrs = {n: t.data_ptr() for n, t in model.state_dict().items()}
+        engine.set_destinations(model.state_dict())
+    connect(engine, rdv, 1, 1)
+    out = []
+    for k in (1, 2):
+        if rank == 0:
+            model.step(k)
+            _send(engine, ModuleSource(model), version=k)
+            out.append({n: digest(t) for n, t in model.state_dict().items()})
+        else:
+            async def go():
+                return [t.data_ptr() == ptrs[name] async for name, t in engine.receive_weights()]
+            same = asyncio.run(go())
+            assert all(same) and len(same) == len(ptrs)
+            assert all(t.data_ptr() == ptrs[n] for n, t in model.state_dict().items())
+            out.append({n: digest(t) for n, t in model.state_dict().items()})
+    engine.finalize(destroy_group=True)
+    return out

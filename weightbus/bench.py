@@ -160,6 +160,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     engine = CheckpointEngineRegistry.new(
         "nccl" if cfg.gpu else "gloo", device=device, timeout=cfg.timeout,
         bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
+    if not trainer:
+        engine.set_destinations(weights)
     connect(engine, rdv, 1, 1)
     source = ModuleSource(weights, dtype=WIRE) if trainer else None
     plan = engine._plan(source.manifest if trainer else _manifest_of(cfg))  # type: ignore[attr-defined]

@@ -188,10 +188,18 @@ class Assembler:
     until the bucket is reused); a split tensor is reassembled into a fresh tensor.
     """
 
-    def __init__(self, plan: BucketPlan, device: torch.device):
+    def __init__(self, plan: BucketPlan, device: torch.device,
+                 destinations: dict[str, torch.Tensor] | None = None):
         self.plan = plan
         self.device = device
         self._pending: dict[int, torch.Tensor] = {}
+        # tensors to write straight into: same dtype and shape, contiguous, this device
+        self._into: dict[int, torch.Tensor] = {}
+        for i, m in enumerate(plan.manifest):
+            d = (destinations or {}).get(m.name)
+            if d is not None and d.dtype == m.dtype and tuple(d.shape) == m.shape \
+                    and d.is_contiguous() and d.device == device:
+                self._into[i] = d
 
     def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         metas = self.plan.manifest
@@ -201,6 +209,13 @@ class Assembler:
                 yield m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)
                 continue
             src = bucket[c.dst_offset:c.dst_offset + c.nbytes]
+            into = self._into.get(c.index)
+            if into is not None:
+                into.detach().view(-1).view(torch.uint8)[c.src_offset:c.src_offset + c.nbytes].copy_(
+                    src, non_blocking=True)
+                if c.src_offset + c.nbytes == m.nbytes:
+                    yield m.name, into
+                continue
             if c.nbytes == m.nbytes:
                 yield m.name, src.view(m.dtype).view(m.shape)
                 continue

@@ -59,7 +59,9 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = as_timedelta(timeout)
-            opts.is_high_priority_stream = False
+            # weight copies (pack, unpack, casts) run beside the transfers; NCCL's kernels
+            # keep the link busy only if they win the SMs
+            opts.is_high_priority_stream = True
             pg = dist.ProcessGroupNCCL(store, rank, size, opts)
             if device is not None:
                 # eager init binds the communicator to our device now, so the first

@@ -81,6 +81,9 @@ class ModuleSource:
         ``into(i)`` may name where tensor i should land (wire dtype, full shape, e.g. the
         rollout's own parameter mapped over CUDA IPC): a gather to every rank then writes
         straight into it and the yielded tensor *is* that target."""
+        # gathers straight into targets run asynchronously, a bounded window ahead, so the
+        # cast of the next shard overlaps the gather of this one
+        pending: list[Any] = []
         for i, (name, t) in enumerate(self._items):
             if not _is_dtensor(t):
                 yield name, t.detach()
@@ -89,11 +92,16 @@ class ModuleSource:
             if len(need) == 1 and _gatherable(t):
                 yield name, _gather(t, self.wire_dtype(t), to=next(iter(need)))
             elif len(need) == t.device_mesh.size() and _gatherable(t):
-                yield name, _gather(t, self.wire_dtype(t), to=None,
-                                    out=into(i) if into is not None else None)
+                out = into(i) if into is not None else None
+                got = _gather(t, self.wire_dtype(t), to=None, out=out, pending=pending)
+                while len(pending) > _WINDOW:
+                    pending.pop(0).wait()
+                yield name, got
             else:
                 full = t.full_tensor()
                 yield name, full if rank in need else None
+        for work in pending:
+            work.wait()
 
 
 def _gatherable(t: Any) -> bool:
@@ -101,8 +109,11 @@ def _gatherable(t: Any) -> bool:
     return mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0)
 
 
-def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+_WINDOW = 16  # asynchronous gathers in flight at most
+
+
+def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None = None,
+            pending: list[Any] | None = None) -> torch.Tensor | None:
     """Gather a dim-0 sharded DTensor to one rank of its mesh (``to``) or to all of them
     (``None``, into ``out`` when it fits), cast to the wire dtype first so the gather
     moves (and the receiver holds) wire bytes only: half of fp32's for bf16."""
@@ -124,7 +135,11 @@ def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None 
         if (out is not None and rows * world == n and out.dtype == padded.dtype
                 and tuple(out.shape) == tuple(t.shape) and out.is_contiguous()
                 and out.device == padded.device):
-            dist.all_gather_into_tensor(out, padded, group=group)  # straight into the target
+            # straight into the target; nothing here reads it, so wait later (the caller
+            # syncs before it reports the update done)
+            work = dist.all_gather_into_tensor(out, padded, group=group, async_op=pending is not None)
+            if pending is not None:
+                pending.append(work)
             return out
         full = padded.new_empty((world * rows, *t.shape[1:]))
         dist.all_gather_into_tensor(full, padded, group=group)

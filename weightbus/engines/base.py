@@ -88,6 +88,7 @@ class CheckpointEngine(ABC):
         #: version of the last update this engine completed (sent or fully received)
         self.version = 0
         self.last_stats: UpdateStats | None = None
+        self._dest: dict[str, torch.Tensor] | None = None
 
     @property
     def bucket_size(self) -> int:
@@ -124,6 +125,12 @@ class CheckpointEngine(ABC):
     @abstractmethod
     def finalize(self, destroy_group: bool = False) -> None:
         """Free buckets; with ``destroy_group`` also drop the group."""
+
+    def set_destinations(self, named: Any) -> None:
+        """Rollout side: write received tensors straight into these (name -> tensor) where
+        name, dtype and shape match, instead of yielding views of a bucket: no temporary
+        for split tensors and no second copy in the sink, which sees the tensor in place."""
+        self._dest = dict(named)
 
     def where(self) -> str:
         return f"{self.backend or type(self).__name__} {self.role or '?'} rank {getattr(self, 'rank', '?')}"
@@ -493,7 +500,7 @@ class BucketEngine(CheckpointEngine):
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
                      f"expected manifest {expected.first_difference(manifest)}")
         closed = False
-        assembler = buffers.Assembler(plan, self.device)
+        assembler = buffers.Assembler(plan, self.device, self._dest)
         buckets = plan.buckets
         for b in buckets[: self.num_buffers]:
             self._post_recv(b)

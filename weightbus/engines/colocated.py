@@ -70,7 +70,6 @@ class ColocatedEngine(BucketEngine):
         self._ready: dict[int, tuple[Any, torch.Tensor]] = {}
         self._acked = 0  # trainer: acks issued so far
         self.n_trainers = 1
-        self._dest: dict[str, torch.Tensor] | None = None  # rollout: direct-mode targets
         self._direct = False
         self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
@@ -95,8 +94,8 @@ class ColocatedEngine(BucketEngine):
     def set_destinations(self, named: Mapping[str, torch.Tensor]) -> None:
         """Rollout side, before ``prepare()``: ask the trainer to write straight into these
         tensors (direct mode; CUDA only, and not with expandable segments, whose memory
-        cannot be exported). Without CUDA the bucket path is used instead."""
-        self._dest = dict(named)
+        cannot be exported). Otherwise the bucket path unpacks straight into them."""
+        super().set_destinations(named)
 
     @staticmethod
     def _can_export(named: Mapping[str, torch.Tensor]) -> bool:
