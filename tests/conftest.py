@@ -14,3 +14,13 @@ def port():
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     yield store.port
     del store
+
+
+@pytest.fixture
+def free_port():
+    """A port free right now (for a default process group's own TCP rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -127,3 +127,7 @@ def test_demo_fsdp2_trainers_verified():
 def test_receive_into_destinations_in_place(port):
     trainer, rollout = spawn(workers.into_destinations, 2, (port,), timeout=120)
     assert trainer == rollout and trainer[0] != trainer[1]
+
+
+def test_sharded_source_gathers_exactly(free_port):
+    assert spawn(workers.sharded_source, 2, (free_port,), timeout=120) == [True, True]

@@ -257,3 +257,35 @@ def into_destinations(rank: int, port: int):
             out.append({n: digest(t) for n, t in model.state_dict().items()})
     engine.finalize(destroy_group=True)
     return out
+
+
+def sharded_source(rank: int, port: int):
+    """FSDP2 (gloo) parameters through ModuleSource: gathered to one owner, to all ranks,
+    and straight into given targets, even and uneven shards alike; every result equals
+    full_tensor() cast to the wire dtype, bitwise."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 7), nn.LayerNorm(7))  # 7 rows: uneven
+    fully_shard(model)
+    source = ModuleSource(model, dtype=torch.bfloat16)
+    expected = {n: t.to(torch.bfloat16) for n, t in source}  # full_tensor() on every rank
+    n = len(source.manifest)
+    to_owner = dict(source.iter_for(lambda i: frozenset({i % 2}), rank))
+    to_all = dict(source.iter_for(lambda i: frozenset({0, 1}), rank))
+    targets = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in source.manifest}
+    names = [m.name for m in source.manifest]
+    into = list(source.iter_for(lambda i: frozenset({0, 1}), rank, into=lambda i: targets[names[i]]))
+    dist.destroy_process_group()
+    assert len(into) == n
+    for i, (name, t) in enumerate(into):
+        assert torch.equal(t, expected[name]), name
+        even = expected[name].shape[0] % 2 == 0
+        assert (t is targets[name]) == even, name  # uneven shards fall back, still exact
+        assert torch.equal(to_all[name], expected[name]), name
+        got = to_owner[name]
+        assert (got is None) == (i % 2 != rank) and (got is None or torch.equal(got, expected[name])), name
+    return True

@@ -175,10 +175,12 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
 
     def naive() -> None:
-        works = []
+        works: list[Any] = []
         for t in weights.values():
             buf = t.to(WIRE) if trainer else t
             works.append(comm.broadcast(group, buf, 0))
+            if len(works) > 8:  # bounded: each in-flight cast holds its memory
+                works.pop(0).wait()
         for w in works:
             w.wait()
 

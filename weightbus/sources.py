@@ -81,10 +81,21 @@ class ModuleSource:
         ``into(i)`` may name where tensor i should land (wire dtype, full shape, e.g. the
         rollout's own parameter mapped over CUDA IPC): a gather to every rank then writes
         straight into it and the yielded tensor *is* that target."""
-        # gathers straight into targets run asynchronously, a bounded window ahead, so the
-        # cast of the next shard overlaps the gather of this one
-        pending: list[Any] = []
+        group: list[tuple[int, str, Any, torch.Tensor]] = []  # gathers into targets, batched
+        group_bytes = 0
         for i, (name, t) in enumerate(self._items):
+            target = into(i) if into is not None and _is_dtensor(t) else None
+            if target is not None and _gatherable(t) and len(owners(i)) == t.device_mesh.size() \
+                    and _fits_into(t, target, self.wire_dtype(t)):
+                group.append((i, name, t, target))
+                group_bytes += target.numel() * target.element_size()
+                if group_bytes >= _GROUP_BYTES:
+                    yield from self._gather_group(group)
+                    group, group_bytes = [], 0
+                continue
+            if group:
+                yield from self._gather_group(group)
+                group, group_bytes = [], 0
             if not _is_dtensor(t):
                 yield name, t.detach()
                 continue
@@ -92,16 +103,38 @@ class ModuleSource:
             if len(need) == 1 and _gatherable(t):
                 yield name, _gather(t, self.wire_dtype(t), to=next(iter(need)))
             elif len(need) == t.device_mesh.size() and _gatherable(t):
-                out = into(i) if into is not None else None
-                got = _gather(t, self.wire_dtype(t), to=None, out=out, pending=pending)
-                while len(pending) > _WINDOW:
-                    pending.pop(0).wait()
-                yield name, got
+                yield name, _gather(t, self.wire_dtype(t), to=None)
             else:
                 full = t.full_tensor()
                 yield name, full if rank in need else None
-        for work in pending:
-            work.wait()
+        if group:
+            yield from self._gather_group(group)
+
+    def _gather_group(self, group: list[tuple[int, str, Any, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """All-gather a run of sharded tensors straight into their targets: first every
+        cast (fp32 -> wire), then the gathers back to back. Casting while NCCL runs makes
+        them fight for the SMs, which costs NCCL more than the overlap saves."""
+        shards = [t.to_local().detach().to(target.dtype) for _, _, t, target in group]
+        works = [dist.all_gather_into_tensor(target, shard.contiguous(), group=t.device_mesh.get_group(),
+                                             async_op=True)
+                 for (_, _, t, target), shard in zip(group, shards, strict=True)]
+        for w in works:
+            w.wait()  # the stream waits (not the host): the next group's casts come after
+        for _, name, _, target in group:
+            yield name, target
+
+
+_GROUP_BYTES = 256 << 20  # full-tensor bytes gathered per batch of casts
+
+
+def _fits_into(t: Any, target: torch.Tensor, wire: torch.dtype) -> bool:
+    """Whether an even dim-0 shard gather can write straight into ``target``."""
+    world = t.device_mesh.size()
+    local = t.to_local()
+    return (target.dtype == wire and tuple(target.shape) == tuple(t.shape) and target.is_contiguous()
+            and t.shape[0] % world == 0 and local.shape[0] * world == t.shape[0]
+            and target.device == local.device)
 
 
 def _gatherable(t: Any) -> bool:
@@ -109,14 +142,10 @@ def _gatherable(t: Any) -> bool:
     return mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0)
 
 
-_WINDOW = 16  # asynchronous gathers in flight at most
-
-
-def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None = None,
-            pending: list[Any] | None = None) -> torch.Tensor | None:
+def _gather(t: Any, wire: torch.dtype, to: int | None) -> torch.Tensor | None:
     """Gather a dim-0 sharded DTensor to one rank of its mesh (``to``) or to all of them
-    (``None``, into ``out`` when it fits), cast to the wire dtype first so the gather
-    moves (and the receiver holds) wire bytes only: half of fp32's for bf16."""
+    (``None``), cast to the wire dtype first so the gather moves (and the receiver
+    holds) wire bytes only: half of fp32's for bf16."""
     group = t.device_mesh.get_group()
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
@@ -132,15 +161,6 @@ def _gather(t: Any, wire: torch.dtype, to: int | None, out: torch.Tensor | None 
     # every rank's real rows come first and in rank order (only the last ranks are short),
     # so the full tensor is the first n rows of the concatenation
     if to is None:
-        if (out is not None and rows * world == n and out.dtype == padded.dtype
-                and tuple(out.shape) == tuple(t.shape) and out.is_contiguous()
-                and out.device == padded.device):
-            # straight into the target; nothing here reads it, so wait later (the caller
-            # syncs before it reports the update done)
-            work = dist.all_gather_into_tensor(out, padded, group=group, async_op=pending is not None)
-            if pending is not None:
-                pending.append(work)
-            return out
         full = padded.new_empty((world * rows, *t.shape[1:]))
         dist.all_gather_into_tensor(full, padded, group=group)
         return full[:n]
