@@ -85,9 +85,15 @@ def _mutate(weights: dict[str, torch.Tensor]) -> None:
 def _checksums(named: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
     """Two integer sums over the exact 16-bit patterns of each tensor."""
     out = {}
+    step = 1 << 26  # in chunks: int64 copies of a whole embedding would not fit beside 32B
     for n, t in named.items():
-        v = t.detach().to(WIRE).reshape(-1).view(torch.int16).to(torch.int64)
-        out[n] = (int(v.sum()), int((v * v).sum()))
+        flat = t.detach().reshape(-1)
+        s1 = s2 = 0
+        for lo in range(0, flat.numel(), step):
+            v = flat[lo:lo + step].to(WIRE).view(torch.int16).to(torch.int64)
+            s1 += int(v.sum())
+            s2 += int((v * v).sum())
+        out[n] = (s1, s2)
     return out
 
 
