@@ -124,9 +124,29 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
             got = {n: digest(t) for n, t in model.state_dict().items()}
             rows.append({"step": step, "got": got, "version": engine.version, "seconds": seconds,
                          "bytes": engine.last_stats.bytes if engine.last_stats else 0})
-    floor = _floor(engine, rdv, T, R, cfg) if cfg.backend in ("gloo", "nccl") else None
+    floor = _floor(engine, rdv, T, R, cfg) if cfg.backend == "gloo" else None
+    gather = _gather_seconds(engine, model, rdv) if is_trainer else None
+    if not is_trainer:
+        rdv.all_gather(None)
     engine.finalize(destroy_group=True)
-    return {"rank": rank, "rows": rows, "floor": floor}
+    return {"rank": rank, "rows": rows, "floor": floor, "gather": gather}
+
+
+def _gather_seconds(engine: CheckpointEngine, model: nn.Module, rdv: Rendezvous) -> float:
+    """Seconds the trainers spend gathering their FSDP2 shards for one update (the part of
+    an update that is the trainer's own collective, not the link to the rollouts)."""
+    source = ModuleSource(model, dtype=torch.bfloat16)
+    plan = engine._plan(source.manifest)  # type: ignore[attr-defined]
+    rank = engine.trainer_rank  # type: ignore[attr-defined]
+    best = math.inf
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in source.iter_for(plan.owners_of, rank):
+            pass
+        best = min(best, time.perf_counter() - t0)
+    rdv.all_gather(None)
+    return best
 
 
 def _floor(engine: CheckpointEngine, rdv: Rendezvous, T: int, R: int, cfg: DemoConfig) -> float:
@@ -175,8 +195,9 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
                        "seconds": seconds, "gbps": row["bytes"] / seconds / 1e9,
                        "verified": all(checks)})
     floor = trainer0["floor"]
-    if floor:
-        for row in report:
+    for row in report:
+        row["gather_seconds"] = max(r["gather"] for r in results[:cfg.trainers])
+        if floor:
             row["floor_seconds"] = floor
             row["floor_gbps"] = row["bytes"] / floor / 1e9
     return report
