@@ -12,6 +12,7 @@ rollouts T..T+R-1):
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ class CollectiveEngine(BucketEngine):
         self._slots: list[torch.Tensor] = []
         self._data: dict[int, Any] = {}  # trainer rank -> data group
         self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
-        self._formed = 0  # how many times a group was formed under the current token
+        self._formed = 0  # how many times a group was formed under _formed_token
+        self._formed_token = ""
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -51,7 +53,9 @@ class CollectiveEngine(BucketEngine):
             # Any trainer may become rank 0; the store of rank 0 is the rendezvous.
             if self._store_server is None:
                 self._store_server = comm.serve_store(self.timeout)
-                self._token = f"{self._store_server.port}-{id(self):x}-{torch.randint(1 << 30, ()).item()}"
+            # a fresh namespace per prepare(): members that join later never meet the
+            # group counters of an earlier membership
+            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
             meta.update(port=self._store_server.port, token=self._token)
         self._allocate()
         return meta
@@ -89,8 +93,8 @@ class CollectiveEngine(BucketEngine):
         self.trainer_rank = rank if rank < T else -1
         self.n_senders = T
         self._drop_groups()
-        if token != self._token:
-            self._token, self._formed = token, 0
+        if token != self._formed_token:
+            self._formed_token, self._formed = token, 0
         self._formed += 1
         prefix = f"wb/{token}/{self._formed}"
         store = comm.connect_store(master_addr, master_port, self.timeout, self.where())

@@ -27,6 +27,7 @@ frees them).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -62,7 +63,8 @@ class ColocatedEngine(BucketEngine):
         self._receiver_gone = False
         self._store_server: Any = None
         self._token = ""
-        self._formed = 0
+        self._formed = 0  # how many times a group was formed under _formed_token
+        self._formed_token = ""
         self._shared: list[buffers.SharedBuffer] = []
         self._ipc: list[buffers.CupyIpcBuffer] = []
         self._slots: list[torch.Tensor] = []
@@ -82,7 +84,9 @@ class ColocatedEngine(BucketEngine):
         if self.role != "rollout":
             if self._store_server is None:
                 self._store_server = comm.serve_store(self.timeout)
-                self._token = f"{self._store_server.port}-{id(self):x}-{torch.randint(1 << 30, ()).item()}"
+            # a fresh namespace per prepare(): members that join later never meet the
+            # group counters of an earlier membership
+            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
             self._allocate_slots()
             meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
         elif self._dest is not None and self._can_export(self._dest):
@@ -192,8 +196,8 @@ class ColocatedEngine(BucketEngine):
         self.role = "trainer" if pair_rank == 0 else "rollout"
         self.trainer_rank = rank if pair_rank == 0 else -1
         self.n_trainers = trainer_world_size
-        if master["token"] != self._token:
-            self._token, self._formed = master["token"], 0
+        if master["token"] != self._formed_token:
+            self._formed_token, self._formed = master["token"], 0
         self._formed += 1  # every member re-forms together, so the counts agree
         prefix = f"wb/{master['token']}/{self._formed}"
         if self.role == "rollout":
