@@ -1,0 +1,137 @@
+"""CheckpointEngineManager over local processes and Ray: the three training modes,
+elastic membership, and replicas that die or hang mid-update."""
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import modes  # noqa: E402
+from mgr_workers import FailingRollout  # noqa: E402
+from workers import Rollout, Trainer  # noqa: E402
+
+from weightbus import WeightbusError, WeightSyncError  # noqa: E402
+from weightbus.manager import CheckpointEngineManager  # noqa: E402
+from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hybrid_mode_local():
+    rows = modes.hybrid(steps=2)
+    assert [r["versions"] for r in rows] == [{"replica0": 1, "replica1": 1}, {"replica0": 2, "replica1": 2}]
+    assert all(r["freed_bytes_while_training"] == [0, 0] for r in rows)  # memory released
+
+
+def test_one_step_off_mode_local():
+    rows = modes.one_step_off(steps=2)
+    # generation (one step behind) ran while the trainer trained: both took about one step
+    assert all(r["train_and_generate_s"] < r["generation_s"] + 0.5 + 0.4 for r in rows)
+
+
+def test_fully_async_mode_local():
+    out = modes.fully_async(steps=2)
+    assert out["samples"] > 0 and out["versions"][-1] >= 1
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from weightbus.runtime.ray import ensure_ray
+    ensure_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+def test_one_step_off_on_ray(ray_cluster):
+    rows = modes.one_step_off(steps=2, ray=True)
+    assert len(rows) == 2
+
+
+def test_fully_async_on_ray(ray_cluster):
+    out = modes.fully_async(steps=2, ray=True)
+    assert out["samples"] > 0
+
+
+def test_ray_replica_death_is_named(ray_cluster):
+    from weightbus.runtime.ray import RayWorkerGroup
+    trainer = RayWorkerGroup(Trainer, 1, None, name="trainer")
+    good = RayWorkerGroup(Rollout, 1, name="good")
+    bad = RayWorkerGroup(FailingRollout, 1, "die", 2, name="doomed")
+    mgr = CheckpointEngineManager("gloo", trainer, [good, bad], timeout=20)
+    try:
+        mgr.update_weights(version=1)
+        call(trainer, "train_step", 2, timeout=20)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="replica 'doomed'"):
+            mgr.update_weights(version=2)
+        assert time.monotonic() - t0 < 30
+        mgr.remove_replicas(["doomed"])
+        mgr.update_weights(version=3)
+        assert mgr.versions() == {"good": 3}
+        assert call(good, "weights_digest", timeout=20) == call(trainer, "weights_digest", timeout=20)
+    finally:
+        for g in (trainer, good, bad):
+            g.shutdown()
+
+
+def test_elastic_add_remove_and_failures_local():
+    trainer = LocalWorkerGroup(Trainer, 2, _port(), name="trainer")
+    r0 = LocalWorkerGroup(Rollout, 1, name="r0")
+    r1 = LocalWorkerGroup(Rollout, 2, name="r1")  # a replica of two ranks
+    groups = [trainer, r0, r1]
+    mgr = CheckpointEngineManager("gloo", trainer, [r0, r1], timeout=8, bucket_size=1 << 16)
+
+    def same(rep):
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        return call(rep, "weights_digest", timeout=10) == [want] * rep.size
+
+    try:
+        first = mgr.update_weights(version=1)
+        assert first.rebuilt and same(r0) and same(r1)
+        call(trainer, "train_step", 2, timeout=10)
+        again = mgr.update_weights(version=2)
+        assert not again.rebuilt  # the group is reused while membership is unchanged
+        assert mgr.versions() == {"r0": 2, "r1": 2}
+
+        late = LocalWorkerGroup(Rollout, 1, name="late")  # joins: gets the full current weights
+        groups.append(late)
+        mgr.add_replicas([late])
+        call(trainer, "train_step", 3, timeout=10)
+        rep = mgr.update_weights(version=3)
+        assert rep.rebuilt and same(late) and same(r0) and mgr.versions()["late"] == 3
+        with pytest.raises(WeightbusError, match="already a member"):
+            mgr.add_replicas([late])
+
+        mgr.remove_replicas([r1])
+        r1.shutdown()  # its processes are gone; the next update does not need them
+        call(trainer, "train_step", 4, timeout=10)
+        mgr.update_weights(version=4)
+        assert mgr.versions() == {"r0": 4, "late": 4}
+
+        for mode in ("die", "hang"):
+            bad = LocalWorkerGroup(FailingRollout, 1, mode, 5 if mode == "die" else 6, name=f"bad-{mode}")
+            groups.append(bad)
+            mgr.add_replicas([bad])
+            version = 5 if mode == "die" else 6
+            call(trainer, "train_step", version, timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError, match=f"replica 'bad-{mode}'"):
+                mgr.update_weights(version=version)
+            assert time.monotonic() - t0 < 8 * 1.5 + 8 + 5  # deadlines, not a hang
+            assert mgr.versions()["r0"] is None  # torn by the failed update: no version claimed
+            mgr.remove_replicas([bad])
+            bad.shutdown(timeout=1)
+            mgr.update_weights(version=version)  # the others, without it
+            assert mgr.versions() == {"r0": version, "late": version} and same(r0) and same(late)
+    finally:
+        for g in groups:
+            g.shutdown(timeout=2)

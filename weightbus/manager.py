@@ -1,0 +1,198 @@
+"""Layer 5: ``CheckpointEngineManager`` — one call per training step moves the trainer's
+weights into every rollout replica.
+
+Per update: pause generation on every replica -> (wake up, hybrid) -> form the group if
+membership changed or the last update failed (prepare -> build_topology ->
+init_process_group) -> send / receive -> resume. Groups are reused while membership is
+unchanged. A replica that dies, hangs or fails makes ``update_weights`` raise within the
+deadline, naming it; ``remove_replicas`` then lets the next update go to the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightbus.engines.base import CheckpointEngineRegistry
+from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError
+from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
+
+
+@dataclass
+class UpdateReport:
+    """What one update did: per-phase seconds, bytes per rollout rank, who got it."""
+
+    version: int
+    phases: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+    replicas: list[str] = field(default_factory=list)
+    rebuilt: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def transfer_gbps(self) -> float:
+        t = self.phases.get("transfer", 0.0)
+        return self.bytes / t / 1e9 if t > 0 else float("inf")
+
+
+class CheckpointEngineManager:
+    """Drives weight updates from one trainer group to any number of rollout replicas.
+
+    Args:
+        backend: a registered engine name (``gloo``, ``nccl``, ``colocated``...).
+        trainer: the trainer ranks (their class mixes in :class:`weightbus.worker.WeightbusWorker`).
+        replicas: rollout replicas, each a worker group (its ranks are its TP ranks).
+        timeout: deadline, seconds, of every phase; also the engines' own deadline.
+        pause_mode: passed to ``pause_generation`` (``abort``, ``keep`` or ``wait``).
+        hybrid: call ``wake_up`` on replicas before each update (pair it with
+            :meth:`sleep_replicas` before training).
+        engine_kwargs: more constructor arguments for every engine (``bucket_size``...).
+    """
+
+    def __init__(self, backend: str, trainer: WorkerGroup, replicas: Sequence[WorkerGroup] = (), *,
+                 timeout: float = DEFAULT_TIMEOUT, pause_mode: str = "abort", hybrid: bool = False,
+                 **engine_kwargs: Any):
+        self.engine_cls = CheckpointEngineRegistry.get(backend)  # unknown names fail here
+        self.backend = backend
+        self.trainer = trainer
+        self.replicas: list[WorkerGroup] = []
+        self.timeout = float(timeout)
+        self.pause_mode = pause_mode
+        self.hybrid = hybrid
+        self.engine_kwargs = {"timeout": self.timeout, **engine_kwargs}
+        self.version = 0
+        self._setup: set[int] = set()  # ids of groups whose workers have an engine
+        self._formed_for: tuple[int, ...] | None = None  # membership the group was formed for
+        self.add_replicas(replicas)
+
+    # --- membership ---------------------------------------------------------------------
+    def add_replicas(self, replicas: Iterable[WorkerGroup]) -> None:
+        """They receive the next update (the full weights)."""
+        for r in replicas:
+            if any(r is x for x in self.replicas):
+                raise WeightbusError(f"replica {r.name!r} is already a member")
+            self.replicas.append(r)
+
+    def remove_replicas(self, replicas: Iterable[WorkerGroup | str]) -> None:
+        """They get no further update; their processes may already be gone."""
+        for r in replicas:
+            match = [x for x in self.replicas if x is r or x.name == r]
+            if not match:
+                raise WeightbusError(f"no replica {getattr(r, 'name', r)!r} among "
+                                     f"{[x.name for x in self.replicas]}")
+            self.replicas.remove(match[0])
+            self._setup.discard(id(match[0]))
+
+    def versions(self) -> dict[str, int | None]:
+        """The version each replica fully holds (None: none, or its last update failed)."""
+        out = {}
+        for rep in self.replicas:
+            try:
+                got = rep.submit("wb_version").result(self.timeout)
+                out[rep.name] = None if any(v is None for v in got) or len(set(got)) != 1 else got[0]
+            except WorkerError:
+                out[rep.name] = None
+        return out
+
+    # --- the update -----------------------------------------------------------------------
+    def update_weights(self, version: int | None = None) -> UpdateReport:
+        if not self.replicas:
+            raise WeightbusError("no rollout replica to update")
+        version = self.version + 1 if version is None else int(version)
+        report = UpdateReport(version, replicas=[r.name for r in self.replicas])
+        clock = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            report.phases[name] = now - clock
+            clock = now
+
+        self._all(self.replicas, "pause_generation", version, kwargs={"mode": self.pause_mode})
+        if self.hybrid:
+            self._all(self.replicas, "wake_up", version)
+        phase("pause")
+        membership = tuple(id(r) for r in self.replicas)
+        if membership != self._formed_for:
+            self._form(version)
+            report.rebuilt = True
+        phase("setup")
+        sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
+        recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
+        results = self._wait([(self.trainer, sends), *zip(self.replicas, recvs, strict=True)],
+                             f"update to version {version}", self.timeout * 1.5)
+        phase("transfer")
+        report.bytes = results[1][0]["bytes"] if len(results) > 1 else 0
+        self.version = version
+        self._all(self.replicas, "resume_generation", version)
+        phase("resume")
+        return report
+
+    def sleep_replicas(self) -> None:
+        """Hybrid: release rollout memory before training."""
+        self._all(self.replicas, "sleep", self.version)
+
+    def _form(self, version: int) -> None:
+        """Engines for new members, then prepare -> build_topology -> init on everyone."""
+        self._formed_for = None
+        groups = [self.trainer, *self.replicas]
+        fresh = [g for g in groups if id(g) not in self._setup]
+        self._wait([(g, g.submit("wb_setup", [(self.backend, "trainer" if g is self.trainer else "rollout",
+                                                self.engine_kwargs)] * g.size)) for g in fresh],
+                   f"setting up engines for version {version}", self.timeout)
+        self._setup.update(id(g) for g in fresh)
+        metas = self._wait([(g, g.submit("wb_prepare")) for g in groups], "prepare", self.timeout)
+        metadata = [m for per_group in metas for m in per_group]
+        T = self.trainer.size
+        R = sum(r.size for r in self.replicas)
+        t_kw, r_kw = self.engine_cls.build_topology(T, R, metadata)
+        pending = [(self.trainer, self.trainer.submit(
+            "wb_init", [({k: v[i] for k, v in t_kw.items()},) for i in range(T)]))]
+        offset = 0
+        for rep in self.replicas:
+            pending.append((rep, rep.submit(
+                "wb_init", [({k: v[offset + i] for k, v in r_kw.items()},) for i in range(rep.size)])))
+            offset += rep.size
+        self._wait(pending, "forming the weight-sync group", self.timeout)
+        self._formed_for = tuple(id(r) for r in self.replicas)
+
+    def _all(self, groups: Sequence[WorkerGroup], method: str, version: int,
+             kwargs: dict[str, Any] | None = None) -> None:
+        self._wait([(g, g.submit(method, None, [kwargs or {}] * g.size)) for g in groups],
+                   f"{method} (version {version})", self.timeout)
+
+    def _wait(self, pending: Sequence[tuple[WorkerGroup, Pending]], what: str, timeout: float) -> list[Any]:
+        """Collect every group's results under one deadline; on failure name the groups
+        that died or hung first (the others' errors are usually their consequence)."""
+        deadline = time.monotonic() + timeout
+        results, errors = [], []
+        for group, p in pending:
+            try:
+                results.append(p.result(max(0.1, deadline - time.monotonic())))
+            except WorkerError as e:
+                errors.append((group, e))
+                results.append(None)
+        if errors:
+            self._formed_for = None  # the next update re-forms the group
+            lost = [(g, e) for g, e in errors if {"died", "timed out"} & set(e.kinds.values())]
+            first = lost or errors
+            names = ", ".join(self._label(g) for g, _ in first)
+            detail = " | ".join(str(e) for _, e in first + [x for x in errors if x not in first])
+            raise WeightSyncError(f"{what} failed; cause: {names}: {detail}")
+        return results
+
+    def _label(self, group: WorkerGroup) -> str:
+        return "the trainer" if group is self.trainer else f"replica {group.name!r}"
+
+    def shutdown(self) -> None:
+        """Tear down the engines (not the worker processes, which belong to the caller)."""
+        for g in [self.trainer, *self.replicas]:
+            try:
+                g.submit("wb_teardown").result(self.timeout)
+            except WorkerError:
+                pass

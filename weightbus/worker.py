@@ -1,0 +1,83 @@
+"""What trainer and rollout worker classes mix in so a manager can drive them.
+
+A trainer class provides ``weights_source()`` (e.g. ``ModuleSource(model, dtype=bf16)``);
+a rollout class provides ``weights_sink()`` (e.g. ``ModuleSink(model)``) and may override
+the generation hooks (``pause_generation``, ``resume_generation``, ``sleep``, ``wake_up``).
+Everything named ``wb_*`` is called by :class:`weightbus.manager.CheckpointEngineManager`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.sinks import ModuleSink
+from weightbus.sources import ModuleSource
+
+
+class WeightbusWorker:
+    """Mixin for trainer and rollout workers (any runtime: local processes, Ray actors)."""
+
+    #: version of the weights this worker fully holds (None: none, or a torn update)
+    weights_version: int | None = None
+    _wb_engine: CheckpointEngine | None = None
+
+    # --- to provide ------------------------------------------------------------------------
+    def weights_source(self) -> ModuleSource:
+        raise NotImplementedError(f"{type(self).__name__} is a trainer: define weights_source()")
+
+    def weights_sink(self) -> ModuleSink:
+        raise NotImplementedError(f"{type(self).__name__} is a rollout: define weights_sink()")
+
+    # --- hooks a rollout may override --------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating before an update: ``abort`` in-flight requests, or ``keep``
+        them paused, or ``wait`` for them."""
+
+    def resume_generation(self) -> None:
+        """Generate again (with the new weights)."""
+
+    def sleep(self) -> None:
+        """Release rollout memory while the trainer trains (hybrid)."""
+
+    def wake_up(self) -> None:
+        """Restore rollout memory before the weights arrive (hybrid)."""
+
+    # --- driven by the manager ----------------------------------------------------------------
+    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
+        if self._wb_engine is not None:
+            self._wb_engine.finalize(destroy_group=True)
+        self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
+
+    def wb_prepare(self) -> dict[str, Any]:
+        assert self._wb_engine is not None, "wb_setup first"
+        return self._wb_engine.prepare()
+
+    def wb_init(self, kwargs: dict[str, Any]) -> None:
+        assert self._wb_engine is not None, "wb_setup first"
+        self._wb_engine.init_process_group(**kwargs)
+
+    async def wb_send(self, version: int) -> dict[str, Any]:
+        assert self._wb_engine is not None, "wb_setup first"
+        stats = await self._wb_engine.send_weights(self.weights_source(), version=version)
+        self.weights_version = version
+        return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors}
+
+    async def wb_receive(self, version: int) -> dict[str, Any]:
+        assert self._wb_engine is not None, "wb_setup first"
+        start = time.perf_counter()
+        self.weights_version = None  # from the first byte on, the old version is gone
+        report = await self.weights_sink().load(self._wb_engine.receive_weights())
+        if self._wb_engine.version != version:
+            raise RuntimeError(f"received version {self._wb_engine.version}, expected {version}")
+        self.weights_version = version
+        return {"seconds": time.perf_counter() - start, "bytes": report.bytes, "tensors": report.loaded}
+
+    def wb_version(self) -> int | None:
+        return self.weights_version
+
+    def wb_teardown(self) -> None:
+        if self._wb_engine is not None:
+            self._wb_engine.finalize(destroy_group=True)
+            self._wb_engine = None
