@@ -48,7 +48,6 @@ class ModuleSource:
                  dtype: torch.dtype | None = None, name_map: NameMap | None = None):
         items = weights.state_dict() if isinstance(weights, nn.Module) else dict(weights)
         self.dtype = dtype
-        self._inflight: list[Any] = []  # CUDA events of the last gather groups
         self._items: list[tuple[str, torch.Tensor]] = []
         metas = []
         for name, t in items.items():
@@ -110,17 +109,12 @@ class ModuleSource:
                 yield name, full if rank in need else None
         if group:
             yield from self._gather_group(group)
-        self._inflight.clear()
 
     def _gather_group(self, group: list[tuple[int, str, Any, torch.Tensor]]
                       ) -> Iterator[tuple[str, torch.Tensor]]:
         """All-gather a run of sharded tensors straight into their targets: first every
         cast (fp32 -> wire), then the gathers back to back. Casting while NCCL runs makes
         them fight for the SMs, which costs NCCL more than the overlap saves."""
-        # the host must not run ahead of the device by more than two groups: each group's
-        # casts stay allocated until its gathers have run
-        while len(self._inflight) >= 2:
-            self._inflight.pop(0).synchronize()
         shards = [t.to_local().detach().to(target.dtype).contiguous() for _, _, t, target in group]
         pgs = {id(t.device_mesh.get_group()): t.device_mesh.get_group() for _, _, t, _ in group}
         pg = next(iter(pgs.values()))
@@ -137,10 +131,6 @@ class ModuleSource:
                      for (_, _, t, target), shard in zip(group, shards, strict=True)]
             for w in works:
                 w.wait()
-        if shards[0].device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-            self._inflight.append(done)
         for _, name, _, target in group:
             yield name, target
 
