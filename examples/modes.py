@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workers import Rollout, Trainer  # noqa: E402
+from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402

@@ -6,7 +6,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-from workers import Rollout  # noqa: E402
+from rl_workers import Rollout  # noqa: E402
 
 from weightbus import ModuleSink  # noqa: E402
 

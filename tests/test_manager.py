@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import modes  # noqa: E402
 from mgr_workers import FailingRollout  # noqa: E402
-from workers import Rollout, Trainer  # noqa: E402
+from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus import WeightbusError, WeightSyncError  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402

@@ -133,6 +133,26 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
     return t, torch.cuda.max_memory_allocated(device) - base
 
 
+def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
+             floor: Any, weightbus: Any, naive: Any = None) -> tuple[dict[str, list[float]], int]:
+    """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
+    rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
+    transient device memory of the weightbus calls at their peak."""
+    times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {})
+    peak = 0
+    for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
+        mutate()
+        got = {"floor": _timed(rdv, device, floor)}
+        if naive:
+            got["naive"] = _timed(rdv, device, naive)
+        got["weightbus"], peak_now = _timed_peak(rdv, device, weightbus)
+        peak = max(peak, peak_now)
+        if it:
+            for k, v in got.items():
+                times[k].append(v)
+    return times, peak
+
+
 def _engine_bytes(engine: CheckpointEngine) -> int:
     """Device bytes the engine holds between updates on this rank (its bucket slots)."""
     return sum(s.numel() for s in getattr(engine, "_slots", []) if s.device.type == "cuda"
@@ -151,6 +171,17 @@ def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]
             works.append(comm.broadcast(groups[b.owner], slots[b.index % 2][: b.wire_bytes], 0))
     for w in works:
         w.wait()
+
+
+def _update_fn(engine: CheckpointEngine, source: ModuleSource | None,
+               weights: dict[str, torch.Tensor] | None) -> Any:
+    """One weightbus update: trainers (``source``) send, rollouts load into ``weights``."""
+    def update() -> None:
+        if source is not None:
+            asyncio.run(engine.send_weights(source))
+        else:
+            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))  # type: ignore[arg-type]
+    return update
 
 
 # ------------------------------------------------------------------ workers
@@ -174,11 +205,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     group = engine._data[0]  # type: ignore[attr-defined]
     floor_slots = [torch.empty(engine.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
 
-    def weightbus() -> None:
-        if trainer:
-            asyncio.run(engine.send_weights(source))
-        else:
-            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
+    weightbus = _update_fn(engine, source, weights)
 
     def naive() -> None:
         works: list[Any] = []
@@ -190,19 +217,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         for w in works:
             w.wait()
 
-    times: dict[str, list[float]] = {"floor": [], "naive": [], "weightbus": []}
-    peak = 0
-    for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
-        if trainer:
-            _mutate(weights)
-        t_floor = _timed(rdv, device, lambda: raw_broadcast(engine, plan, floor_slots))
-        t_naive = _timed(rdv, device, naive)
-        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
-        peak = max(peak, peak_now)
-        if it:
-            times["floor"].append(t_floor)
-            times["naive"].append(t_naive)
-            times["weightbus"].append(t_wb)
+    times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
+                           lambda: raw_broadcast(engine, plan, floor_slots), weightbus, naive)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -245,23 +261,10 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
                 scratch[0][:n].copy_(t.view(-1))
                 scratch[1][:n].copy_(scratch[0][:n])
 
-    def weightbus() -> None:
-        if trainer:
-            asyncio.run(engine.send_weights(source))
-        else:
-            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
+    weightbus = _update_fn(engine, source, weights)
 
-    times: dict[str, list[float]] = {"floor": [], "weightbus": []}
-    peak = 0
-    for it in range(cfg.iters + 1):
-        if trainer:
-            _mutate(weights)
-        t_floor = _timed(rdv, device, floor)
-        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
-        peak = max(peak, peak_now)
-        if it:
-            times["floor"].append(t_floor)
-            times["weightbus"].append(t_wb)
+    times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
+                           floor, weightbus)
     result = {"times": times, "checksums": _checksums(weights),
               "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -300,23 +303,11 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
                 dist.all_gather_into_tensor(ag_out, ag_in)
                 done += chunk
 
-    def weightbus() -> None:
-        if trainer:
-            asyncio.run(engine.send_weights(source))
-        else:
-            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
+    weightbus = _update_fn(engine, source, weights)
 
-    times: dict[str, list[float]] = {"floor": [], "weightbus": []}
-    peak = 0
-    for it in range(cfg.iters + 1):
-        if trainer:
-            _mutate(dict(model.named_parameters()))
-        t_floor = _timed(rdv, device, floor)
-        t_wb, peak_now = _timed_peak(rdv, device, weightbus)
-        peak = max(peak, peak_now)
-        if it:
-            times["floor"].append(t_floor)
-            times["weightbus"].append(t_wb)
+    times, peak = _measure(cfg, rdv, device,
+                           lambda: _mutate(dict(model.named_parameters())) if trainer else None,
+                           floor, weightbus)
     if trainer:
         full = {n: t for n, t in source}  # type: ignore[union-attr]
         check = _checksums(full) if rank == 0 else None

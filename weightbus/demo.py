@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightbus import comm
+from weightbus.bench import raw_broadcast
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
@@ -153,20 +153,12 @@ def _floor(engine: CheckpointEngine, rdv: Rendezvous, T: int, R: int, cfg: DemoC
     """Seconds for a raw broadcast of the same buckets over the engine's own data groups
     (no packing, no unpacking, no checks): what the link alone costs."""
     plan = engine._plan(next(iter(engine._manifests.values())))  # type: ignore[attr-defined]
-    groups = engine._data  # type: ignore[attr-defined]
     bufs = [torch.empty(engine.bucket_size, dtype=torch.uint8) for _ in range(2)]
     best = math.inf
     for _ in range(3):
         rdv.all_gather(None)  # start together
         t0 = time.perf_counter()
-        works = []
-        for b in plan.buckets:
-            if b.owner in groups:
-                if len(works) >= 2:
-                    works.pop(0).wait()
-                works.append(comm.broadcast(groups[b.owner], bufs[b.index % 2][: b.wire_bytes], 0))
-        for w in works:
-            w.wait()
+        raw_broadcast(engine, plan, bufs)
         best = min(best, max(rdv.all_gather(time.perf_counter() - t0)))
     return best
 
