@@ -376,6 +376,8 @@ class BucketEngine(CheckpointEngine):
         if payload:
             self._manifests[fp] = manifest if self._ctl_rank == root and manifest else \
                 Manifest.from_bytes(payload)
+            while len(self._manifests) > 4:  # models rarely change; keep the latest few
+                self._manifests.pop(next(iter(self._manifests)))
         if self._ctl_rank == root:
             self._peers_fingerprint = fp
         agreed = self._manifests.get(fp)

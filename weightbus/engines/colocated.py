@@ -60,6 +60,7 @@ class ColocatedEngine(BucketEngine):
         super().__init__(bucket_size, **kwargs)
         self._local = True
         self._queue: asyncio.Queue | None = None
+        self._queue_loop: asyncio.AbstractEventLoop | None = None
         self._receiver_gone = False
         self._store_server: Any = None
         self._token = ""
@@ -281,8 +282,11 @@ class ColocatedEngine(BucketEngine):
         return UpdateStats(version, len(manifest), manifest.nbytes, 0, time.perf_counter() - start, 0)
 
     def _local_queue(self) -> asyncio.Queue:
-        if self._queue is None:
-            self._queue = asyncio.Queue(maxsize=2)
+        # one queue per event loop: each asyncio.run() brings a new loop, and a queue is
+        # bound to the loop it first waited on
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._queue_loop is not loop:
+            self._queue, self._queue_loop = asyncio.Queue(maxsize=2), loop
         return self._queue
 
     async def _put(self, queue: asyncio.Queue, item: Any) -> None:

@@ -118,7 +118,11 @@ class LocalWorkerGroup:
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
-        self._collect("__init__", [0] * size, start_timeout)
+        try:
+            self._collect("__init__", [0] * size, start_timeout)
+        except BaseException:
+            self.shutdown(timeout=2)  # no half-started group left behind
+            raise
 
     @property
     def size(self) -> int:
