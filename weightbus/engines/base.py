@@ -493,6 +493,13 @@ class BucketEngine(CheckpointEngine):
         finally:
             inner.close()
 
+    def receive_weights_sync(self, *, expected: Manifest | None = None
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``receive_weights`` as a plain iterator, for consumers that take one (vLLM's
+        ``load_weights``). Close it (or exhaust it) so the update completes everywhere."""
+        self._check_ready("rollout")
+        return self._receive_iter(expected)
+
     def _receive_iter(self, expected: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
         version, manifest = self._exchange_header(0, None, None)

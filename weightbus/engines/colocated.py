@@ -335,6 +335,14 @@ class ColocatedEngine(BucketEngine):
             raise
         self.version = version
 
+    def receive_weights_sync(self, *, expected: Manifest | None = None) -> Any:
+        if self._local:
+            raise WeightSyncError(f"{self.where()}: in-process pass-through needs receive_weights() "
+                                  f"in the sender's event loop")
+        if self._direct:
+            return self._receive_direct(expected)
+        return super().receive_weights_sync(expected=expected)
+
     # --- direct mode ---------------------------------------------------------------------
     @staticmethod
     def _misfit(manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> str | None:

@@ -1,0 +1,1 @@
+"""Integrations with rollout engines (import each submodule explicitly)."""
