@@ -16,12 +16,38 @@ from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 
 
-class WeightbusWorker:
-    """Mixin for trainer and rollout workers (any runtime: local processes, Ray actors)."""
+class EngineHost:
+    """The manager's calls that every kind of worker shares: engine set-up, group
+    formation, the version held (a vLLM worker extension builds on this alone)."""
 
     #: version of the weights this worker fully holds (None: none, or a torn update)
     weights_version: int | None = None
     _wb_engine: CheckpointEngine | None = None
+
+    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
+        if self._wb_engine is not None:
+            self._wb_engine.finalize(destroy_group=True)
+        self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
+
+    def wb_prepare(self) -> dict[str, Any]:
+        assert self._wb_engine is not None, "wb_setup first"
+        return self._wb_engine.prepare()
+
+    def wb_init(self, kwargs: dict[str, Any]) -> None:
+        assert self._wb_engine is not None, "wb_setup first"
+        self._wb_engine.init_process_group(**kwargs)
+
+    def wb_version(self) -> int | None:
+        return self.weights_version
+
+    def wb_teardown(self) -> None:
+        if self._wb_engine is not None:
+            self._wb_engine.finalize(destroy_group=True)
+            self._wb_engine = None
+
+
+class WeightbusWorker(EngineHost):
+    """Mixin for trainer and rollout workers (any runtime: local processes, Ray actors)."""
 
     # --- to provide ------------------------------------------------------------------------
     def weights_source(self) -> ModuleSource:
@@ -45,19 +71,6 @@ class WeightbusWorker:
         """Restore rollout memory before the weights arrive (hybrid)."""
 
     # --- driven by the manager ----------------------------------------------------------------
-    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
-        if self._wb_engine is not None:
-            self._wb_engine.finalize(destroy_group=True)
-        self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
-
-    def wb_prepare(self) -> dict[str, Any]:
-        assert self._wb_engine is not None, "wb_setup first"
-        return self._wb_engine.prepare()
-
-    def wb_init(self, kwargs: dict[str, Any]) -> None:
-        assert self._wb_engine is not None, "wb_setup first"
-        self._wb_engine.init_process_group(**kwargs)
-
     async def wb_send(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"
         stats = await self._wb_engine.send_weights(self.weights_source(), version=version)
@@ -73,11 +86,3 @@ class WeightbusWorker:
             raise RuntimeError(f"received version {self._wb_engine.version}, expected {version}")
         self.weights_version = version
         return {"seconds": time.perf_counter() - start, "bytes": report.bytes, "tensors": report.loaded}
-
-    def wb_version(self) -> int | None:
-        return self.weights_version
-
-    def wb_teardown(self) -> None:
-        if self._wb_engine is not None:
-            self._wb_engine.finalize(destroy_group=True)
-            self._wb_engine = None

@@ -20,18 +20,17 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.runtime.group import Pending, WorkerError
+from weightbus.worker import EngineHost
 
-_HOOKS = ("pause_generation", "resume_generation", "sleep", "wake_up")
 
-
-class WeightbusWorkerExtension:
+class WeightbusWorkerExtension(EngineHost):
     """Mixed into every vLLM worker by ``worker_extension_cls``; reached through
-    ``collective_rpc``. ``self.rank`` and ``self.model_runner`` are vLLM's."""
-
-    _wb_engine: CheckpointEngine | None = None
-    _wb_version: int | None = None
+    ``collective_rpc``. ``self.rank`` and ``self.model_runner`` are vLLM's. It adds to
+    :class:`EngineHost` only engine set-up on the model's device and receiving into
+    vLLM's ``load_weights``; it defines no name vLLM's worker has (``sleep``...), which
+    vLLM refuses. The offline engine generates only inside ``llm.generate()``, which the
+    caller does not run during an update, so pausing is a no-op."""
 
     def wb_dispatch(self, method: str, args: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> Any:
         """Run ``method`` with this rank's share of per-rank arguments."""
@@ -41,25 +40,16 @@ class WeightbusWorkerExtension:
         return getattr(self, method)(*a, **k)
 
     def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
-        if self._wb_engine is not None:
-            self._wb_engine.finalize(destroy_group=True)
         kwargs = dict(engine_kwargs)
         if backend in ("nccl", "colocated") and "device" not in kwargs:
             kwargs["device"] = str(next(self.model_runner.model.parameters()).device)  # type: ignore[attr-defined]
-        self._wb_engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
-
-    def wb_prepare(self) -> dict[str, Any]:
-        assert self._wb_engine is not None, "wb_setup first"
-        return self._wb_engine.prepare()
-
-    def wb_init(self, kwargs: dict[str, Any]) -> None:
-        assert self._wb_engine is not None, "wb_setup first"
-        self._wb_engine.init_process_group(**kwargs)
+        super().wb_setup(backend, "rollout", kwargs)
 
     def wb_receive(self, version: int) -> dict[str, Any]:
-        """Stream one update straight into vLLM's ``load_weights``."""
+        """Stream one update straight into vLLM's ``load_weights`` (synchronous:
+        ``collective_rpc`` runs plain methods)."""
         assert self._wb_engine is not None, "wb_setup first"
-        self._wb_version = None  # from the first byte on, the old version is gone
+        self.weights_version = None  # from the first byte on, the old version is gone
         model = self.model_runner.model  # type: ignore[attr-defined]
         reload = _layerwise_reload()
         stream = self._wb_engine.receive_weights_sync()
@@ -78,19 +68,9 @@ class WeightbusWorkerExtension:
         if self._wb_engine.version != version:
             raise RuntimeError(f"vLLM rank {getattr(self, 'rank', 0)}: received version "
                                f"{self._wb_engine.version}, expected {version}")
-        self._wb_version = version
+        self.weights_version = version
         return {"bytes": counted.bytes, "tensors": counted.tensors}
 
-    def wb_version(self) -> int | None:
-        return self._wb_version
-
-    def wb_teardown(self) -> None:
-        if self._wb_engine is not None:
-            self._wb_engine.finalize(destroy_group=True)
-            self._wb_engine = None
-
-    # generation hooks: the offline engine generates only inside llm.generate(), which the
-    # caller does not run during an update; the driver side handles the rest
     def pause_generation(self, mode: str = "abort") -> None:
         pass
 
