@@ -242,6 +242,8 @@ def fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, posit
     except StopIteration:
         raise PlanError(f"the weight stream ended early: it has no tensor {meta.describe()} "
                         f"(position {position})") from None
+    except Exception as e:  # noqa: BLE001 - the user's iterator is dead now
+        raise StreamBroken(e) from e
     if name != meta.name:
         raise PlanError(f"the weight stream gives {name!r} where the manifest has "
                         f"{meta.describe()} (position {position})")
@@ -415,21 +417,28 @@ class BucketEngine(CheckpointEngine):
             error = f"{self.where()}: reading the weight stream: {e}"
         version, manifest = self._exchange_header(
             version, stream.manifest if stream else None, error)
-        plan = self._plan(manifest)
         if stream is not None and error is None and stream.manifest.fingerprint != manifest.fingerprint:
             error = (f"{self.where()}: its weight stream differs from the sender root's "
                      f"{manifest.first_difference(stream.manifest)}")
         if stream is not None and stream.strict_dtype:
             self._stream_manifest = stream.manifest
-        error, wire = self._send_buckets(plan, stream if error is None else None, version, error)
+        error, wire, buckets = self._transfer(manifest, stream if error is None else None, version, error)
         await asyncio.sleep(0)
         if error and stream is not None and stream.strict_dtype:
             self._stream_manifest = None  # relearn a plain stream's manifest next time
         self._finish(version, error)
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
-                                      time.perf_counter() - start, len(plan))
+                                      time.perf_counter() - start, buckets)
         return self.last_stats
+
+    def _transfer(self, manifest: Manifest, stream: _Stream | None, version: int,
+                  error: str | None) -> tuple[str | None, int, int]:
+        """Move the bytes of one update (through buckets, unless a subclass has a better
+        way); returns (error, bytes moved, buckets). ``stream`` is None after an error."""
+        plan = self._plan(manifest)
+        error, wire = self._send_buckets(plan, stream, version, error)
+        return error, wire, len(plan)
 
     def _send_buckets(self, plan: BucketPlan, stream: _Stream | None, version: int,
                       error: str | None) -> tuple[str | None, int]:
@@ -446,13 +455,8 @@ class BucketEngine(CheckpointEngine):
                 try:
                     if it is not None and current[0] != c.index:
                         packer.done_with(current[0])
-                        try:
-                            current = (c.index, fetch(it, manifest[c.index], c.index,
-                                                       stream.strict_dtype))  # type: ignore[union-attr]
-                        except PlanError:
-                            raise
-                        except Exception as e:  # noqa: BLE001
-                            raise StreamBroken(e) from e
+                        current = (c.index, fetch(it, manifest[c.index], c.index,
+                                                  stream.strict_dtype))  # type: ignore[union-attr]
                     if mine and error is None and current[1] is not None:
                         packer.pack(slot, c, current[1])  # type: ignore[arg-type]
                     elif mine and error is None:
@@ -500,14 +504,19 @@ class BucketEngine(CheckpointEngine):
         self._check_ready("rollout")
         return self._receive_iter(expected)
 
-    def _receive_iter(self, expected: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _open_receive(self, expected: Manifest | None) -> tuple[float, int, Manifest, str | None]:
+        """The header of an incoming update: (start time, version, manifest, error)."""
         start = time.perf_counter()
         version, manifest = self._exchange_header(0, None, None)
-        plan = self._plan(manifest)
-        error: str | None = None
+        error = None
         if expected is not None and expected.fingerprint != manifest.fingerprint:
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
                      f"expected manifest {expected.first_difference(manifest)}")
+        return start, version, manifest, error
+
+    def _receive_iter(self, expected: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
+        start, version, manifest, error = self._open_receive(expected)
+        plan = self._plan(manifest)
         closed = False
         assembler = buffers.Assembler(plan, self.device, self._dest)
         buckets = plan.buckets

@@ -250,8 +250,6 @@ class ColocatedEngine(BucketEngine):
 
     # --- in-process pass-through, and trainers without rollout peers --------------------
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
-        if not self._local and self._direct:
-            return self._send_direct(weights, version)
         if not self._local:
             return await super().send_weights(weights, version=version)
         start = time.perf_counter()
@@ -356,25 +354,17 @@ class ColocatedEngine(BucketEngine):
         problems += [f"never sent: {n!r}" for n in targets if n not in names]
         return "; ".join(problems[:5]) or None
 
-    def _send_direct(self, weights: Weights, version: int | None) -> UpdateStats:
-        self._check_ready("trainer")
-        start = time.perf_counter()
-        version = self.version + 1 if version is None else int(version)
-        error: str | None = None
-        stream = None
-        try:
-            stream = resolve_stream(weights, self._stream_manifest)
-        except Exception as e:  # noqa: BLE001 - reported to every rank
-            error = f"{self.where()}: reading the weight stream: {e}"
-        version, manifest = self._exchange_header(version, stream.manifest if stream else None, error)
-        if stream is not None and error is None and stream.manifest.fingerprint != manifest.fingerprint:
-            error = (f"{self.where()}: its weight stream differs from the sender root's "
-                     f"{manifest.first_difference(stream.manifest)}")
+    def _transfer(self, manifest: Manifest, stream: Any, version: int,
+                  error: str | None) -> tuple[str | None, int, int]:
+        if not self._direct:
+            return super()._transfer(manifest, stream, version, error)
         for targets in self._targets:
             why = self._misfit(manifest, targets)
             if why and error is None:
                 error = f"{self.where()}: direct mode: {why}"
         if stream is not None:
+            # every trainer iterates (sharded sources gather collectively); only a rank
+            # with no error writes
             first = self._targets[0] if self._targets and error is None else None
             into = (lambda i: first[manifest[i].name]) if first is not None else None
             it = stream.open(None, lambda i: frozenset(range(self.n_trainers)), self.trainer_rank,
@@ -388,28 +378,18 @@ class ColocatedEngine(BucketEngine):
                             if dst.data_ptr() != t.data_ptr():
                                 dst.copy_(t, non_blocking=True)  # the cast, straight into the rollout
                 except StreamBroken as e:
-                    error = error or f"{self.where()}: the weight stream raised at {meta.describe()}: {e}"
+                    error = error or f"{self.where()}: the weight stream raised at " \
+                                     f"{meta.describe()}: {e.__cause__!r}"
                     break
                 except Exception as e:  # noqa: BLE001
                     error = error or f"{self.where()}: tensor {meta.name!r}: {e}"
-                    if not isinstance(e, PlanError):
-                        break
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
-        self._finish(version, error)
-        self.version = version
-        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes,
-                                      manifest.nbytes * len(self._targets), time.perf_counter() - start, 0)
-        return self.last_stats
+        return error, manifest.nbytes * len(self._targets), 0
 
     def _receive_direct(self, expected: Manifest | None) -> Any:
         self._check_ready("rollout")
-        start = time.perf_counter()
-        version, manifest = self._exchange_header(0, None, None)
-        error = None
-        if expected is not None and expected.fingerprint != manifest.fingerprint:
-            error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
-                     f"expected manifest {expected.first_difference(manifest)}")
+        start, version, manifest, error = self._open_receive(expected)
         self._finish(version, error)  # the trainer has written everything, or every rank raises
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,
