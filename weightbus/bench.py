@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -425,4 +425,4 @@ def main_bench(scenarios: list[str], presets_: list[str], iters: int, bucket_mb:
     return 0 if rows and all(r["verified"] for r in rows) else 1
 
 
-__all__ = ["BenchConfig", "SCENARIOS", "asdict", "format_table", "main_bench", "run_bench"]
+__all__ = ["BenchConfig", "SCENARIOS", "format_table", "main_bench", "run_bench"]

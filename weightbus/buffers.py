@@ -132,10 +132,8 @@ def _wrap_device_pointer(ptr: int, nbytes: int, device: torch.device, owner: obj
     return t
 
 
-def allocate(nbytes: int, device: torch.device, *, pin: bool = False) -> torch.Tensor:
-    """A plain bucket on ``device`` (pinned when asked and the device is the host)."""
-    if device.type == "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A plain bucket on ``device``."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
