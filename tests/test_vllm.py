@@ -1,4 +1,5 @@
-"""A real vLLM engine (CPU) as a rollout replica of the manager. Skipped where vLLM is not
+"""The worker-extension fallback (for vLLMs without the native weight-transfer API): a
+real vLLM engine (CPU) as a rollout replica of the manager. Skipped where vLLM is not
 installed; `make test` runs it in its own venv (.venv-vllm)."""
 
 import os
@@ -62,11 +63,14 @@ def test_updates_land_in_vllm(engine):
             assert llm.collective_rpc("wb_version") == [step]  # the version, seen through vLLM
             assert report.bytes > 0
 
-        # a tensor vLLM does not know: the update fails naming it; the engine lives on
+        # a tensor vLLM does not know: rejected before anything loads, naming it; the
+        # engine lives on and still serves version 3
+        call(trainer, "train_step", 4, timeout=60)
         call(trainer, "add_bogus", True, timeout=60)
         with pytest.raises(WeightSyncError, match="bogus"):
             mgr.update_weights(version=4)
-        assert llm.collective_rpc("wb_version") == [None]  # no version claimed after a failure
+        assert llm.collective_rpc("wb_version") == [3]
+        assert _vllm_greedy(llm) == previous
         call(trainer, "add_bogus", False, timeout=60)
         mgr.update_weights(version=5)
         assert _vllm_greedy(llm) == call(trainer, "greedy", PROMPTS, 8, timeout=60)[0]

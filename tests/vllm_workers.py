@@ -47,3 +47,73 @@ class HFTrainer(WeightbusWorker):
         if self.extra:
             sd.update(self.extra)
         return ModuleSource(sd)
+
+
+class NativeTrainer:
+    """One trainer rank of vLLM's own weight-transfer API with the ``weightbus`` backend:
+    a transformers model taking real AdamW steps (ranks hold replicas, like DDP; each
+    sends its own share of the buckets). Rank 0 runs in the test process next to vLLM."""
+
+    def __init__(self, rank, world, path, port, rollout_world_size, transport="gloo", *,
+                 trainer_rank=None, trainer_world=None):
+        from transformers import AutoModelForCausalLM
+
+        from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
+        rank = rank if trainer_rank is None else trainer_rank
+        world = world if trainer_world is None else trainer_world
+        self.info = WeightbusTrainerInitInfo(rank=rank, world_size=world, master_address="127.0.0.1",
+                                             master_port=port, rollout_world_size=rollout_world_size,
+                                             transport=transport, timeout=60)
+        self.engine = None
+
+    def connect(self, client=None):
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        self.engine = WeightTransferTrainerFactory.trainer_init(self.info, client=client,
+                                                                source=self.source())
+
+    def source(self, change=None):
+        """The state dict vLLM loads; ``change`` maps names to replacement tensors (None
+        removes one)."""
+        sd = dict(self.model.state_dict())
+        if self.model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        for k, v in (change or {}).items():
+            if v is None:
+                sd.pop(k)
+            else:
+                sd[k] = v
+        return ModuleSource(sd)
+
+    def set_source(self, change=None):
+        self.engine.source = self.source(change)
+
+    def send(self, version):
+        return self.engine.send_weights(version).bytes
+
+    def train_step(self, step):
+        return HFTrainer.train_step(self, step)
+
+    def greedy(self, prompts, n):
+        return HFTrainer.greedy(self, prompts, n)
+
+    def shutdown(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class BreakingSource:
+    """A weight stream that raises after ``after`` tensors (a trainer failing mid-update)."""
+
+    def __init__(self, source, after):
+        self.source, self.after, self.manifest = source, after, source.manifest
+
+    def __iter__(self):
+        for i, item in enumerate(self.source):
+            if i == self.after:
+                raise RuntimeError("trainer failed mid-update")
+            yield item

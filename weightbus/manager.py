@@ -2,8 +2,9 @@
 weights into every rollout replica.
 
 Per update: pause generation on every replica -> (wake up, hybrid) -> form the group if
-membership changed or the last update failed (prepare -> build_topology ->
-init_process_group) -> send / receive -> resume. Groups are reused while membership is
+membership changed or the last update failed (every rank connects through a rendezvous
+on the manager's TCPStore: prepare -> build_topology -> init_process_group) -> send /
+receive -> resume. Groups are reused while membership is
 unchanged. A replica that dies, hangs or fails makes ``update_weights`` raise within the
 deadline, naming it; ``remove_replicas`` then lets the next update go to the others.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightbus import comm
 from weightbus.engines.base import CheckpointEngineRegistry
 from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError
 from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
@@ -68,6 +70,8 @@ class CheckpointEngineManager:
         self.version = 0
         self._setup: set[int] = set()  # ids of groups whose workers have an engine
         self._formed_for: tuple[int, ...] | None = None  # membership the group was formed for
+        self._store: Any = None  # the rendezvous store every rank connects through
+        self._formations = 0
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -127,7 +131,7 @@ class CheckpointEngineManager:
         results = self._wait([(self.trainer, sends), *zip(self.replicas, recvs, strict=True)],
                              f"update to version {version}", self.timeout * 1.5)
         phase("transfer")
-        report.bytes = results[1][0]["bytes"] if len(results) > 1 else 0
+        report.bytes = results[0][0]["bytes"]  # the payload every rollout rank received
         self.version = version
         self._all(self.replicas, "resume_generation", version)
         phase("resume")
@@ -138,7 +142,8 @@ class CheckpointEngineManager:
         self._all(self.replicas, "sleep", self.version)
 
     def _form(self, version: int) -> None:
-        """Engines for new members, then prepare -> build_topology -> init on everyone."""
+        """Engines for new members, then every rank connects through a rendezvous on the
+        manager's store (prepare -> all-gather metadata -> init_process_group)."""
         self._formed_for = None
         groups = [self.trainer, *self.replicas]
         fresh = [g for g in groups if id(g) not in self._setup]
@@ -146,18 +151,16 @@ class CheckpointEngineManager:
                                                 self.engine_kwargs)] * g.size)) for g in fresh],
                    f"setting up engines for version {version}", self.timeout)
         self._setup.update(id(g) for g in fresh)
-        metas = self._wait([(g, g.submit("wb_prepare")) for g in groups], "prepare", self.timeout)
-        metadata = [m for per_group in metas for m in per_group]
+        if self._store is None:
+            self._store = comm.serve_store(self.timeout)
+        self._formations += 1
+        where = (comm.local_address(), self._store.port, f"wb-manager/{self._formations}")
         T = self.trainer.size
         R = sum(r.size for r in self.replicas)
-        t_kw, r_kw = self.engine_cls.build_topology(T, R, metadata)
-        pending = [(self.trainer, self.trainer.submit(
-            "wb_init", [({k: v[i] for k, v in t_kw.items()},) for i in range(T)]))]
-        offset = 0
-        for rep in self.replicas:
-            pending.append((rep, rep.submit(
-                "wb_init", [({k: v[offset + i] for k, v in r_kw.items()},) for i in range(rep.size)])))
-            offset += rep.size
+        pending, first = [], 0
+        for g in groups:
+            pending.append((g, g.submit("wb_connect", [(*where, first + i, T, R) for i in range(g.size)])))
+            first += g.size
         self._wait(pending, "forming the weight-sync group", self.timeout)
         self._formed_for = tuple(id(r) for r in self.replicas)
 
@@ -191,6 +194,7 @@ class CheckpointEngineManager:
 
     def shutdown(self) -> None:
         """Tear down the engines (not the worker processes, which belong to the caller)."""
+        self._store = None
         for g in [self.trainer, *self.replicas]:
             try:
                 g.submit("wb_teardown").result(self.timeout)

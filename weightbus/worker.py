@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 
@@ -29,13 +30,14 @@ class EngineHost:
             self._wb_engine.finalize(destroy_group=True)
         self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
 
-    def wb_prepare(self) -> dict[str, Any]:
+    def wb_connect(self, addr: str, port: int, prefix: str, rank: int, trainer_world_size: int,
+                   rollout_world_size: int) -> None:
+        """Form the group: prepare -> all-gather metadata on the manager's store ->
+        init_process_group (rank: trainers first, then every replica's workers)."""
         assert self._wb_engine is not None, "wb_setup first"
-        return self._wb_engine.prepare()
-
-    def wb_init(self, kwargs: dict[str, Any]) -> None:
-        assert self._wb_engine is not None, "wb_setup first"
-        self._wb_engine.init_process_group(**kwargs)
+        rdv = Rendezvous(addr, port, rank, trainer_world_size + rollout_world_size,
+                         timeout=self._wb_engine.timeout, prefix=prefix)
+        connect(self._wb_engine, rdv, trainer_world_size, rollout_world_size)
 
     def wb_version(self) -> int | None:
         return self.weights_version

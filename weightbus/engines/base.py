@@ -32,6 +32,8 @@ from weightbus.plan import Bucket, BucketPlan, Manifest, TensorMeta
 Role = Literal["trainer", "rollout"]
 #: ``(name, tensor)`` pairs, or an object with a ``manifest`` (see :mod:`weightbus.sources`).
 Weights = Iterable[tuple[str, torch.Tensor]]
+#: Checks an incoming update's manifest before any tensor is consumed; raises to reject it.
+Validator = Callable[[Manifest], None]
 
 _HEADER_WORDS = 8
 _MESSAGE_BYTES = 4096
@@ -497,14 +499,19 @@ class BucketEngine(CheckpointEngine):
         finally:
             inner.close()
 
-    def receive_weights_sync(self, *, expected: Manifest | None = None
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_weights_sync(self, *, expected: Manifest | None = None,
+                             validate: Validator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``receive_weights`` as a plain iterator, for consumers that take one (vLLM's
-        ``load_weights``). Close it (or exhaust it) so the update completes everywhere."""
-        self._check_ready("rollout")
-        return self._receive_iter(expected)
+        ``load_weights``). Close it (or exhaust it) so the update completes everywhere.
 
-    def _open_receive(self, expected: Manifest | None) -> tuple[float, int, Manifest, str | None]:
+        ``validate(manifest)`` runs once the manifest is known and before any tensor is
+        yielded; if it raises, the update fails on every rank with its message and this
+        consumer sees no tensor (its model keeps the previous weights)."""
+        self._check_ready("rollout")
+        return self._receive_iter(expected, validate)
+
+    def _open_receive(self, expected: Manifest | None, validate: Validator | None = None
+                      ) -> tuple[float, int, Manifest, str | None]:
         """The header of an incoming update: (start time, version, manifest, error)."""
         start = time.perf_counter()
         version, manifest = self._exchange_header(0, None, None)
@@ -512,10 +519,16 @@ class BucketEngine(CheckpointEngine):
         if expected is not None and expected.fingerprint != manifest.fingerprint:
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
                      f"expected manifest {expected.first_difference(manifest)}")
+        if error is None and validate is not None:
+            try:
+                validate(manifest)
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{self.where()}: rejected version {version} before loading: {e}"
         return start, version, manifest, error
 
-    def _receive_iter(self, expected: Manifest | None) -> Iterator[tuple[str, torch.Tensor]]:
-        start, version, manifest, error = self._open_receive(expected)
+    def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        start, version, manifest, error = self._open_receive(expected, validate)
         plan = self._plan(manifest)
         closed = False
         assembler = buffers.Assembler(plan, self.device, self._dest)

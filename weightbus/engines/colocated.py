@@ -41,6 +41,7 @@ from weightbus.engines.base import (
     CheckpointEngineRegistry,
     StreamBroken,
     UpdateStats,
+    Validator,
     Weights,
     fetch,
     resolve_stream,
@@ -333,13 +334,14 @@ class ColocatedEngine(BucketEngine):
             raise
         self.version = version
 
-    def receive_weights_sync(self, *, expected: Manifest | None = None) -> Any:
+    def receive_weights_sync(self, *, expected: Manifest | None = None,
+                             validate: Validator | None = None) -> Any:
         if self._local:
             raise WeightSyncError(f"{self.where()}: in-process pass-through needs receive_weights() "
                                   f"in the sender's event loop")
-        if self._direct:
-            return self._receive_direct(expected)
-        return super().receive_weights_sync(expected=expected)
+        if self._direct:  # the trainer writes in place: a rejection comes after the bytes
+            return self._receive_direct(expected, validate)
+        return super().receive_weights_sync(expected=expected, validate=validate)
 
     # --- direct mode ---------------------------------------------------------------------
     @staticmethod
@@ -387,9 +389,9 @@ class ColocatedEngine(BucketEngine):
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
 
-    def _receive_direct(self, expected: Manifest | None) -> Any:
+    def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None) -> Any:
         self._check_ready("rollout")
-        start, version, manifest, error = self._open_receive(expected)
+        start, version, manifest, error = self._open_receive(expected, validate)
         self._finish(version, error)  # the trainer has written everything, or every rank raises
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,

@@ -1,0 +1,194 @@
+"""weightbus as vLLM's own weight-transfer backend (``weight_transfer_config={"backend":
+"weightbus"}``), against a real vLLM engine (CPU build). Skipped where vLLM is not
+installed; `make test` runs it in its own venv (.venv-vllm).
+
+Two trainer ranks (replicas, like DDP; each sends its share of the buckets) take real
+AdamW steps; rank 0 runs here next to the offline ``LLM`` and drives it, rank 1 is a
+separate process."""
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm_workers import BreakingSource, NativeTrainer  # noqa: E402
+
+from weightbus import WeightSyncError  # noqa: E402
+from weightbus.integrations.vllm import (  # noqa: E402
+    OfflineLLMRollout,
+    RolloutClient,
+    VLLMEngineReplica,
+    sync_weights,
+)
+from weightbus.integrations.vllm.loader import KEPT  # noqa: E402
+from weightbus.runtime.group import LocalWorkerGroup, WorkerError, call  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 42], [5]]
+T = 60  # seconds, every wait
+
+
+def make_model(path, tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      max_position_embeddings=256, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """A tiny Qwen2 with tied embeddings (vLLM fuses qkv and gate_up) in one offline vLLM
+    engine on the native backend, shared by the module's tests (start-up takes ~20 s)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    path = str(tmp_path_factory.mktemp("tiny-qwen2-tied"))
+    make_model(path, tied=True)
+    engine = vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                      max_model_len=128, max_num_seqs=4, seed=0,
+                      weight_transfer_config={"backend": "weightbus"})
+    yield path, engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def greedy(llm, n=8):
+    sp = vllm.SamplingParams(max_tokens=n, temperature=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class Trainers:
+    """Rank 0 here, rank 1 in its own process; every call goes to both."""
+
+    def __init__(self, path, port, rollout, world=2, transport="gloo"):
+        self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport)
+        self.others = LocalWorkerGroup(NativeTrainer, world - 1, path, port, rollout.size, transport,
+                                       trainer_rank=1, trainer_world=world, name="trainer1") \
+            if world > 1 else None
+        self.client = RolloutClient([rollout])
+        self.each("connect", local_args=(self.client,))
+
+    def each(self, method, *args, local_args=None):
+        pending = self.others.submit(method, [args] * self.others.size) if self.others else None
+        try:
+            out = getattr(self.rank0, method)(*(local_args if local_args is not None else args))
+        finally:
+            if pending is not None:
+                rest = pending.result(T)
+        return [out, *rest] if pending is not None else [out]
+
+    def update(self, version, mode="keep"):
+        """Every rank sends; a failure must reach every rank, with the same message."""
+        pending = self.others.submit("send", [(version,)] * self.others.size) if self.others else None
+        failure = None
+        try:
+            sync_weights(self.rank0.engine, self.client, version, mode=mode)
+        except WeightSyncError as e:
+            failure = e
+        if pending is not None:
+            try:
+                pending.result(T)
+            except WorkerError as e:
+                if failure is None:
+                    raise
+                assert str(failure) in str(e)
+            else:
+                assert failure is None, "rank 1 succeeded where rank 0 failed"
+        if failure is not None:
+            raise failure
+
+    def close(self):
+        try:
+            self.each("shutdown")
+        finally:
+            if self.others:
+                self.others.shutdown()
+
+
+def test_native_updates_and_bad_input(llm, free_port):
+    path, engine = llm
+    rollout = OfflineLLMRollout(engine)
+    tr = Trainers(path, free_port, rollout)
+    try:
+        previous = greedy(engine)
+        for step in (1, 2, 3):
+            losses = tr.each("train_step", step)
+            assert losses[0] == losses[1]  # the two ranks hold the same replica
+            tr.update(step)
+            got = greedy(engine)
+            assert got == tr.rank0.greedy(PROMPTS, 8), f"version {step}: vLLM != transformers"
+            assert got != previous  # the weights really changed
+            previous = got
+            assert engine.get_weight_version() == str(step)  # recorded by finish_weight_update
+
+        # bad input is rejected before anything loads: vLLM keeps serving version 3
+        hidden = tr.rank0.model.config.hidden_size
+        bad = {
+            "unknown name": ({"model.bogus.weight": torch.ones(4, 4)}, "bogus"),
+            "shape mismatch": ({"model.layers.0.mlp.down_proj.weight": torch.ones(hidden, 7)},
+                               "down_proj"),
+            "missing tensor": ({"model.layers.1.self_attn.v_proj.weight": None}, "qkv_proj"),
+        }
+        for step, (what, (change, named)) in enumerate(bad.items(), start=4):
+            tr.each("train_step", step)  # the trainer moved on; vLLM must not see any of it
+            tr.each("set_source", change)
+            with pytest.raises(WeightSyncError, match=named) as err:
+                tr.update(step)
+            assert KEPT in str(err.value), what
+            assert greedy(engine) == previous, f"{what}: vLLM no longer serves version 3"
+            assert engine.get_weight_version() == "3"
+
+        # a trainer failing mid-stream: the update fails everywhere, the engine lives on
+        tr.each("set_source")
+        tr.rank0.engine.source = BreakingSource(tr.rank0.engine.source, after=5)
+        with pytest.raises(WeightSyncError, match="mid-update"):
+            tr.update(7)
+        assert len(greedy(engine)[0]) == 8  # still generating (some layers are new, none garbage)
+
+        # and the next good update lands whole
+        tr.each("set_source")
+        tr.update(8)
+        assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
+        assert engine.get_weight_version() == "8"
+    finally:
+        tr.close()
+
+
+def test_native_colocated_shared_memory(llm, free_port):
+    """The same engine re-initialised onto the colocated transport (shared memory on CPU)."""
+    path, engine = llm
+    tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=1, transport="colocated")
+    try:
+        for step in (11, 12):
+            tr.each("train_step", step)
+            tr.update(step, mode="abort")
+            assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
+            assert engine.get_weight_version() == str(step)
+    finally:
+        tr.close()
+
+
+def test_manager_drives_native_replica(llm, free_port):
+    """CheckpointEngineManager with a vLLM engine on the native backend as a replica."""
+    from vllm_workers import HFTrainer
+
+    from weightbus.manager import CheckpointEngineManager
+    path, engine = llm
+    trainer = LocalWorkerGroup(HFTrainer, 1, path, name="trainer")
+    replica = VLLMEngineReplica(OfflineLLMRollout(engine), name="vllm0")
+    mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=T, pause_mode="keep")
+    try:
+        for step in (21, 22):
+            call(trainer, "train_step", step, timeout=T)
+            mgr.update_weights(version=step)
+            assert greedy(engine) == call(trainer, "greedy", PROMPTS, 8, timeout=T)[0]
+            assert mgr.versions() == {"vllm0": step}
+        call(trainer, "add_bogus", True, timeout=T)
+        with pytest.raises(WeightSyncError, match="bogus"):
+            mgr.update_weights(version=23)
+        assert mgr.versions() == {"vllm0": 22}  # rejected up front: version 22 still served
+    finally:
+        mgr.shutdown()
+        trainer.shutdown()
+        replica.shutdown()

@@ -1,0 +1,77 @@
+"""The fallback worker side for vLLMs without the native weight-transfer API: every vLLM
+worker mixes in :class:`WeightbusWorkerExtension` and the manager reaches it through
+``collective_rpc`` (driven by :class:`~weightbus.integrations.vllm.rollouts.VLLMReplica`)::
+
+    llm = LLM(model=path, worker_extension_cls="weightbus.integrations.vllm.WeightbusWorkerExtension")
+    mgr = CheckpointEngineManager("gloo", trainer, [VLLMReplica(llm, name="vllm0")])
+    mgr.update_weights(version=step)                    # lands in vLLM's own load_weights
+
+Every vLLM worker (one per TP rank) joins the weightbus group as one rollout rank and
+feeds the received stream to ``model.load_weights`` through :class:`.loader.VLLMModelLoader`.
+Tensors cannot travel as ``collective_rpc`` arguments; only small control values do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from weightbus.integrations.vllm.loader import VLLMModelLoader
+from weightbus.worker import EngineHost
+
+
+class WeightbusWorkerExtension(EngineHost):
+    """Mixed into every vLLM worker by ``worker_extension_cls``; reached through
+    ``collective_rpc``. ``self.rank`` and ``self.model_runner`` are vLLM's. It adds to
+    :class:`EngineHost` only engine set-up on the model's device and receiving into
+    vLLM's ``load_weights``; it defines no name vLLM's worker has (``sleep``...), which
+    vLLM refuses. The offline engine generates only inside ``llm.generate()``, which the
+    caller does not run during an update, so pausing is a no-op."""
+
+    def wb_dispatch(self, method: str, args: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> Any:
+        """Run ``method`` with this rank's share of per-rank arguments."""
+        rank = int(getattr(self, "rank", 0))
+        a = tuple(args[rank]) if args else ()
+        k = dict(kwargs[rank]) if kwargs else {}
+        return getattr(self, method)(*a, **k)
+
+    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
+        kwargs = dict(engine_kwargs)
+        if backend in ("nccl", "colocated") and "device" not in kwargs:
+            kwargs["device"] = str(next(self.model_runner.model.parameters()).device)  # type: ignore[attr-defined]
+        super().wb_setup(backend, "rollout", kwargs)
+
+    def wb_receive(self, version: int) -> dict[str, Any]:
+        """Stream one update straight into vLLM's ``load_weights`` (synchronous:
+        ``collective_rpc`` runs plain methods). A manifest the model cannot take is
+        rejected before anything loads (see :mod:`.loader`)."""
+        assert self._wb_engine is not None, "wb_setup first"
+        rank = getattr(self, "rank", 0)
+        previous, self.weights_version = self.weights_version, None
+        loader = VLLMModelLoader(self.model_runner.model,  # type: ignore[attr-defined]
+                                 self.model_runner.model_config,  # type: ignore[attr-defined]
+                                 where=f"vLLM rank {rank}")
+        loader.begin()
+        try:
+            stream = self._wb_engine.receive_weights_sync(validate=loader.preflight)
+            try:
+                nbytes, tensors = loader.load(stream)
+            finally:
+                stream.close()  # type: ignore[attr-defined]
+        except BaseException:
+            loader.abort()
+            if not loader.touched:  # rejected up front: the previous weights are intact
+                self.weights_version = previous
+            raise
+        loader.commit()
+        if self._wb_engine.version != version:
+            raise RuntimeError(f"vLLM rank {rank}: received version {self._wb_engine.version}, "
+                               f"expected {version}")
+        self.weights_version = version
+        return {"bytes": nbytes, "tensors": tensors}
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        pass
+
+    def resume_generation(self) -> None:
+        pass

@@ -1,0 +1,311 @@
+"""Loading one update into a live vLLM model, the way vLLM's own weight-transfer engines
+do, plus the two guarantees weightbus adds:
+
+- **preflight**: before any byte is loaded, the update's manifest is dry-run through the
+  model's own ``load_weights`` on meta tensors. vLLM's name mapping (fused ``qkv`` /
+  ``gate_up``, tied embeddings, renames) and its weight loaders' shape checks run for
+  real, but nothing is written. A name vLLM does not know, a shape its loader refuses, or
+  a parameter the update would leave out or only half fill rejects the update before it
+  starts, so the engine keeps serving the previous weights.
+- **abort**: if the stream fails mid-way anyway (a trainer dies), layers whose weights
+  were only partly received get their previous tensors back instead of being processed
+  with uninitialised parts; layers already complete keep the new weights, so the model
+  is then torn, which the caller reports by withdrawing its version.
+
+Everything runs inside vLLM's layerwise-reload pair (``initialize_layerwise_reload`` /
+``finalize_layerwise_reload``), which rebuilds processed weights (fused, repacked,
+quantized) and keeps tensor addresses stable (CUDA graphs stay valid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from weightbus.errors import WeightbusError
+from weightbus.plan import Manifest
+
+#: Ends the error of an update that failed before anything loaded.
+KEPT = "vLLM kept its previous weights"
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_WRAPPER = "online_process_loader"  # vLLM's layerwise wrapper around a weight loader
+
+
+class RejectedUpdate(WeightbusError):
+    """The update's manifest cannot be loaded into this vLLM model; nothing was loaded."""
+
+
+def layerwise_reload() -> tuple[Any, Any] | None:
+    """vLLM's ``(initialize_layerwise_reload, finalize_layerwise_reload)``, where this
+    vLLM has them."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+class VLLMModelLoader:
+    """One vLLM worker's model as the target of updates: ``begin`` -> ``preflight`` (the
+    engine calls it with the manifest) -> ``load`` -> ``commit``, or ``abort`` on failure.
+
+    Args:
+        model: the worker's model (``model_runner.model``).
+        model_config: vLLM's model config (finalize needs it for attention layers).
+        partial: allow updates that leave some parameters out (they keep their values).
+        where: names this worker in errors.
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any, *, partial: bool = False,
+                 where: str = "vLLM worker"):
+        self.model, self.model_config = model, model_config
+        self.partial, self.where = partial, where
+        self._reload = layerwise_reload()
+        self._active = False
+        self._counted: _Counting | None = None
+        self._verdicts: dict[int, str | None] = {}  # manifest fingerprint -> rejection reason
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def touched(self) -> bool:
+        """Whether the model has received any tensor of this update."""
+        return bool(self._counted and self._counted.tensors)
+
+    def begin(self) -> None:
+        if self._active:
+            raise WeightbusError(f"{self.where}: an update is already in progress")
+        if self._reload:
+            self._reload[0](self.model)
+        self._active, self._counted = True, None
+
+    def preflight(self, manifest: Manifest) -> None:
+        """Raise :class:`RejectedUpdate` if this model cannot take ``manifest`` whole."""
+        fp = manifest.fingerprint
+        if fp not in self._verdicts:
+            self._verdicts[fp] = _dry_run(self.model, manifest, self.partial) \
+                if self._reload and self._active else None
+            while len(self._verdicts) > 8:
+                self._verdicts.pop(next(iter(self._verdicts)))
+        reason = self._verdicts[fp]
+        if reason:
+            raise RejectedUpdate(f"{self.where}: {reason} [{KEPT}]")
+
+    def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Feed ``stream`` to ``model.load_weights``; returns (bytes, tensors). The stream
+        is drained even if the model stops early, so the update completes everywhere."""
+        counted = self._counted = _Counting(iter(stream))
+        self.model.load_weights(counted)
+        for _ in counted:
+            pass
+        return counted.bytes, counted.tensors
+
+    def commit(self) -> None:
+        if not self._active:
+            return
+        self._active = False
+        if self._reload:
+            self._reload[1](self.model, self.model_config)
+        refresh_shared_cpu_kernels(self.model)
+
+    def abort(self) -> None:
+        """End a failed update: layers that got only part of their weights keep their
+        previous tensors."""
+        if not self._active:
+            return
+        self._active = False
+        if self._reload:
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+            for layer in self.model.modules():
+                info = get_layerwise_info(layer)
+                if info.can_load():  # never completed: drop what it buffered
+                    info.loaded_weights.clear()
+                    info.load_numel = 0
+            with _quiet(_RELOAD_LOGGER):  # it warns once per layer that nothing was loaded
+                self._reload[1](self.model, self.model_config)
+        refresh_shared_cpu_kernels(self.model)
+
+
+# ------------------------------------------------------------------ the dry run
+
+
+class _CopyCounter(TorchDispatchMode):
+    """Counts elements written by ``copy_`` (a loader may narrow, then copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default:
+            self.numel += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def _unwrapped(loader: Any) -> Any:
+    while getattr(loader, "__name__", "") == _WRAPPER:
+        loader = loader.__wrapped__
+    return loader
+
+
+def _loader_of(t: torch.Tensor) -> Any:
+    try:
+        return getattr(t, "weight_loader", None)
+    except Exception:  # noqa: BLE001 - vLLM parameters raise once their loader is deleted
+        return None
+
+
+def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str | None:
+    """Run ``model.load_weights`` over meta tensors shaped like ``manifest``, with every
+    parameter's (unwrapped) loader writing into a meta stand-in. Returns why the update
+    would fail, or None. Called inside a layerwise reload, where parameters are already
+    meta tensors; the few that stay real (``bias``) get a meta copy."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    # parameters by identity, each with the storage of the kernel tensor it stands for: a
+    # reload gives tied weights (lm_head, embed_tokens) separate meta stand-ins, but only
+    # one of them is in the checkpoint
+    params: dict[int, tuple[str, torch.Tensor]] = {}
+    storage: dict[int, int] = {}
+    for mod_name, mod in model.named_modules():
+        kernel = get_layerwise_info(mod).kernel_tensors
+        for pname, p in mod._parameters.items():
+            if p is None or id(p) in params:
+                continue
+            params[id(p)] = (f"{mod_name}.{pname}" if mod_name else pname, p)
+            k = kernel[0].get(pname) if kernel else None
+            src = k if k is not None else p
+            storage[id(p)] = src.data_ptr() if not src.is_meta else id(p)
+    loaded: dict[int, int] = dict.fromkeys(params, 0)
+    patched: list[tuple[torch.Tensor, bool, Any]] = []
+
+    def stand_in_loader(key: int, original: Any, meta: torch.Tensor) -> Any:
+        def load(param: Any, *args: Any, **kwargs: Any) -> Any:
+            with _CopyCounter() as counter:
+                out = original(meta, *args, **kwargs)
+            loaded[key] += counter.numel
+            return out
+        return load
+
+    for key, (_, p) in params.items():
+        prev = _loader_of(p)
+        had = "weight_loader" in p.__dict__ or p.__dict__.get("_weight_loader") is not None
+        meta = p if p.is_meta else _meta_copy(p)
+        p.weight_loader = stand_in_loader(key, _unwrapped(prev or default_weight_loader), meta)
+        patched.append((p, had, prev))
+
+    current = ["(none yet)"]
+
+    def metas() -> Iterator[tuple[str, torch.Tensor]]:
+        for m in manifest:
+            current[0] = m.describe()
+            yield m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")
+
+    try:
+        try:
+            with torch.no_grad():
+                model.load_weights(metas())
+        except (NotImplementedError, RuntimeError) as e:
+            if "meta" in str(e) and "size" not in str(e):
+                logging.getLogger(__name__).warning(
+                    "weightbus: cannot dry-run this model's loaders on meta tensors (%s); "
+                    "the update is not checked before it loads", e)
+                return None
+            return f"vLLM's loader refuses tensor {current[0]}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            return f"vLLM's loader refuses tensor {current[0]}: {type(e).__name__}: {e}"
+    finally:
+        for p, had, prev in patched:
+            if had:
+                p.weight_loader = prev
+            else:
+                with contextlib.suppress(Exception):
+                    del p.weight_loader
+
+    missing, half, filled = [], [], set()
+    for key, (name, p) in params.items():
+        want = int(getattr(p, "weight_loader_numel", p.numel()))
+        got = min(loaded[key], want)
+        if got == want:
+            filled.add(storage[key])
+        elif got:
+            half.append(f"{name} ({got} of {want} elements)")
+    for key, (name, p) in params.items():
+        if storage[key] not in filled and not loaded[key] and p.numel():
+            missing.append(name)
+    if half:
+        return f"the update fills only part of {len(half)} parameter(s): {_some(half)}"
+    if missing and not partial:
+        return (f"the update leaves out {len(missing)} parameter(s) of the model: {_some(missing)} "
+                f"(pass partial=True to allow partial updates)")
+    return None
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    meta = t.data.to("meta")
+    meta.__class__ = t.__class__
+    meta.__dict__ = t.__dict__.copy()
+    return meta
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    log = logging.getLogger(logger_name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+# ------------------------------------------------------------------ CPU kernels
+
+
+def refresh_shared_cpu_kernels(model: Any) -> None:
+    """On the CPU, vLLM packs each linear weight into a GEMM kernel when it loads. A module
+    that only shares another's weight (a tied ``lm_head``) loads nothing itself, so a
+    reload leaves its kernel packed from the old weights: pack it again."""
+    try:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    except ImportError:
+        return
+    by_storage: dict[int, list[Any]] = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel():
+            by_storage.setdefault(w.data_ptr(), []).append(m)
+    for mods in by_storage.values():
+        if len(mods) > 1:
+            for m in mods:
+                if hasattr(m, "cpu_linear"):
+                    dispatch_cpu_unquantized_gemm(m, remove_weight=False)
+
+
+class _Counting:
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
+        self.stream, self.bytes, self.tensors = stream, 0, 0
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, t = next(self.stream)
+        self.bytes += t.numel() * t.element_size()
+        self.tensors += 1
+        return name, t

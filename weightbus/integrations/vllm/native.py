@@ -1,0 +1,322 @@
+"""weightbus as a native vLLM weight-transfer backend, named ``weightbus``.
+
+Worker side (inside every vLLM worker; registered by the ``vllm.general_plugins`` entry
+point that ``pip install weightbus[vllm]`` installs)::
+
+    llm = LLM(model=path, weight_transfer_config={"backend": "weightbus"})
+
+Trainer side (every trainer rank; rank 0 drives vLLM through ``client``)::
+
+    from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
+    info = WeightbusTrainerInitInfo(rank=r, world_size=T, rollout_world_size=R,
+                                    master_address=host, master_port=port, transport="gloo")
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    engine.send_weights(version=step)   # start -> update (concurrent with the send) -> finish
+
+``transport`` is any weightbus engine: ``gloo``, ``nccl``, ``colocated`` (CUDA IPC on
+GPU, shared memory on CPU)... Every trainer rank sends its own share of the buckets; only
+rank 0 talks to vLLM. The data plane is formed once at ``trainer_init`` (a rendezvous on
+rank 0's TCPStore at ``master_address:master_port``) and reused by every update.
+
+Each update is checked against the model before anything loads (see :mod:`.loader`): an
+update vLLM cannot take fails on every rank, and vLLM keeps serving the previous weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError, as_timedelta
+from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
+from weightbus.plan import Manifest, TensorMeta
+from weightbus.runtime.local import Rendezvous, connect
+from weightbus.sources import ModuleSource
+
+NAME = "weightbus"
+
+
+@dataclass
+class WeightbusInitInfo(WeightTransferInitInfo):
+    """What a vLLM worker needs to join the weightbus group (sent by trainer rank 0)."""
+
+    master_address: str
+    master_port: int
+    trainer_world_size: int = 1
+    #: vLLM workers in the group, over every replica
+    rollout_world_size: int = 1
+    #: rollout index of this replica's first worker (replicas side by side)
+    rank_offset: int = 0
+    #: the weightbus engine: gloo, nccl, colocated...
+    transport: str = "gloo"
+    #: rendezvous key prefix; a new one for every formation of the group
+    prefix: str = NAME
+    #: more constructor arguments of the engine (bucket_size, timeout, num_buffers)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: allow updates that leave some parameters out
+    partial: bool = False
+
+
+@dataclass
+class WeightbusUpdateInfo(WeightTransferUpdateInfo):
+    """One update: its version (the trainer's step); 0 accepts whatever arrives."""
+
+    version: int = 0
+
+
+class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, WeightbusUpdateInfo]):
+    """vLLM worker side: receive over any weightbus engine into ``model.load_weights``."""
+
+    init_info_cls = WeightbusInitInfo
+    update_info_cls = WeightbusUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._engine: CheckpointEngine | None = None
+        self._loader: VLLMModelLoader | None = None
+        self._partial = False
+        pc = self.parallel_config
+        #: this worker's index among the replica's workers (data parallel included)
+        self.local_rank = int(getattr(pc, "data_parallel_index", 0)) * int(pc.world_size) + int(pc.rank)
+        self.rollout_rank = self.local_rank
+
+    def where(self) -> str:
+        return f"vLLM worker {self.rollout_rank}"
+
+    def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
+        self.shutdown()
+        T, R = init_info.trainer_world_size, init_info.rollout_world_size
+        self.rollout_rank = init_info.rank_offset + self.local_rank
+        if not 0 <= self.rollout_rank < R:
+            raise WeightbusError(f"{self.where()}: outside the {R} rollout ranks the trainer "
+                                 f"expects (rank_offset {init_info.rank_offset})")
+        kwargs = dict(init_info.engine_kwargs)
+        if init_info.transport in ("nccl", "hccl", "colocated") and "device" not in kwargs:
+            kwargs["device"] = str(self.device)
+        engine = CheckpointEngineRegistry.new(init_info.transport, role="rollout", **kwargs)
+        rdv = Rendezvous(init_info.master_address, init_info.master_port, T + self.rollout_rank,
+                         T + R, timeout=engine.timeout, prefix=init_info.prefix)
+        connect(engine, rdv, T, R)
+        self._engine, self._partial = engine, init_info.partial
+
+    def start_weight_update(self) -> None:
+        self._loader = VLLMModelLoader(self.model, self.model_config, partial=self._partial,
+                                       where=self.where())
+        self._loader.begin()
+
+    def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
+        if self._engine is None or self._loader is None:
+            raise WeightbusError(f"{self.where()}: init_weight_transfer_engine and "
+                                 f"start_weight_update come first")
+        loader = self._loader
+        try:
+            stream = self._engine.receive_weights_sync(validate=loader.preflight)
+            try:
+                loader.load(stream)
+            finally:
+                stream.close()  # type: ignore[attr-defined]
+            if update_info.version and self._engine.version != update_info.version:
+                raise WeightSyncError(f"{self.where()}: received version {self._engine.version}, "
+                                      f"expected {update_info.version}")
+        except Exception as e:
+            loader.abort()  # vLLM will not call finish_weight_update after a failure
+            if not loader.touched and KEPT not in str(e):
+                raise WeightSyncError(f"{e} [{KEPT}]") from e
+            raise
+
+    def finish_weight_update(self) -> None:
+        if self._loader is not None:
+            self._loader.commit()
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.finalize(destroy_group=True)
+            self._engine = None
+
+
+# ------------------------------------------------------------------ trainer side
+
+
+@dataclass
+class WeightbusTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of the ``weightbus`` backend (one per trainer rank, ``rank`` = its
+    rank among the trainer ranks that send)."""
+
+    backend: ClassVar[str] = NAME
+
+    master_address: str
+    master_port: int
+    #: trainer ranks that send (each sends its own share of the buckets)
+    world_size: int = 1
+    #: vLLM workers to update, over every replica
+    rollout_world_size: int = 1
+    transport: str = "gloo"
+    bucket_size: int | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    partial: bool = False
+
+
+class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
+    """Trainer side: every rank sends its buckets; rank 0 also drives vLLM's
+    start -> update -> finish through the client, the update concurrently with the send."""
+
+    init_info_cls = WeightbusTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any, init_info: WeightbusTrainerInitInfo):
+        super().__init__(client=client, source=_as_source(source), is_sender=init_info.is_sender)
+        self.info = init_info
+        kwargs: dict[str, Any] = {"timeout": init_info.timeout}
+        if init_info.bucket_size is not None:
+            kwargs["bucket_size"] = init_info.bucket_size
+        self.engine_kwargs = kwargs
+        self.engine = CheckpointEngineRegistry.new(init_info.transport, role="trainer", **kwargs)
+        self.version = 0
+        self._formations = 0
+        self._store: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-vllm-rpc")
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightbusTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> WeightbusTrainerEngine:
+        if source is None:
+            raise WeightbusError("the weightbus trainer engine needs a source of weights")
+        self = cls(client=client, source=source, init_info=init_info)
+        self.connect()
+        return self
+
+    def connect(self) -> None:
+        """(Re-)form the group with vLLM's workers; after a transport failure, call it on
+        every trainer rank to rebuild."""
+        info = self.info
+        T, R = info.world_size, info.rollout_world_size
+        self._formations += 1
+        prefix = f"{NAME}/{self._formations}"  # the same count on every trainer rank
+        if self.is_sender and self._store is None:  # the rendezvous store, on rank 0
+            self._store = torch.distributed.TCPStore("0.0.0.0", info.master_port, None, True,
+                                                     timeout=as_timedelta(info.timeout),
+                                                     wait_for_workers=False)
+        pending = None
+        if self.is_sender:
+            pending = self._pool.submit(self.client.init_weight_transfer_engine, {
+                "master_address": info.master_address, "master_port": info.master_port,
+                "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
+                "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial})
+        rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
+                         timeout=info.timeout, prefix=prefix)
+        try:
+            connect(self.engine, rdv, T, R)
+        except BaseException:
+            if pending is not None and pending.done():
+                pending.result()  # vLLM's own error says more than the rendezvous timeout
+            raise
+        if pending is not None:
+            _result(pending, info.timeout, "init_weight_transfer_engine")
+
+    def send_weights(self, version: int | None = None) -> Any:
+        """One update; returns weightbus's :class:`UpdateStats`. Raises
+        :class:`WeightSyncError` on every trainer rank if any rank (or vLLM worker) failed;
+        vLLM then keeps the previous weights if the update was rejected before loading."""
+        version = self.version + 1 if version is None else int(version)
+        pending = None
+        if self.is_sender:
+            self.client.start_weight_update()
+            pending = self._pool.submit(self.client.update_weights, {"version": version})
+        try:
+            if pending is not None and pending.done():
+                pending.result()  # a bad request fails at once: do not wait in the send
+            stats = _run(self.engine.send_weights(self.source, version=version))
+        except WeightSyncError:
+            if pending is not None:  # vLLM failed the same way; let its call return first
+                concurrent.futures.wait([pending], timeout=self.info.timeout)
+            raise
+        if pending is not None:
+            _result(pending, self.info.timeout, "update_weights")
+            self.client.finish_weight_update(str(version))
+        self.version = version
+        return stats
+
+    def shutdown(self) -> None:
+        self.engine.finalize(destroy_group=True)
+        if self.is_sender and hasattr(self.client, "shutdown_weight_transfer_engine"):
+            try:
+                self.client.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001 - the engine may be gone already
+                pass
+        self._pool.shutdown(wait=False)
+        self._store = None
+
+
+def _result(fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise WeightSyncError(f"vLLM did not answer {what} within {timeout:.0f}s") from None
+
+
+def _run(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:
+        running = False
+    if not running:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
+        return pool.submit(asyncio.run, coro).result()
+
+
+class _VLLMSource:
+    """A vLLM ``WeightSource`` (metadata + a fresh iteration per round) as a weightbus
+    source. Every trainer rank iterates it whole: its gathers are collectives."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.manifest = Manifest(TensorMeta(m.name, m.dtype, tuple(m.shape)) for m in source.metadata())
+
+    def __iter__(self) -> Any:
+        return iter(self.source)
+
+
+def _as_source(source: Any) -> Any:
+    if isinstance(source, torch.nn.Module):
+        return ModuleSource(source)
+    if hasattr(source, "metadata") and not hasattr(source, "manifest"):
+        return _VLLMSource(source)
+    return source
+
+
+# ------------------------------------------------------------------ registration
+
+
+def register() -> None:
+    """Register both sides with vLLM's factories under ``weightbus``; safe to call again
+    (vLLM raises on a second registration of a name)."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls_name in ((WeightTransferEngineFactory, "WeightbusWeightTransferEngine"),
+                              (WeightTransferTrainerFactory, "WeightbusTrainerEngine")):
+        if NAME in getattr(factory, "_registry", {}):
+            continue
+        try:
+            factory.register_engine(NAME, __name__, cls_name)
+        except ValueError:  # registered meanwhile (another thread or plugin load)
+            if NAME not in getattr(factory, "_registry", {NAME: None}):
+                raise
+
+
+register()  # importing this module (trainer side) is enough to use the backend

@@ -1,0 +1,440 @@
+"""vLLM engines as rollouts: one handle per way of running vLLM, the same calls on each.
+
+A handle is vLLM's weight-sync control plane (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``: what a
+``TrainerWeightTransferEngine`` drives) plus generation control (``pause`` / ``resume``,
+``sleep`` / ``wake_up``) and the weight version:
+
+- :class:`OfflineLLMRollout`: an offline ``vllm.LLM`` (pause = ``sleep(level=0)``);
+- :class:`AsyncLLMRollout`: an ``AsyncLLM`` on its event loop (``pause_generation``);
+- :class:`HTTPRollout`: ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` (``/pause``...).
+
+They are used three ways:
+
+- :class:`RolloutClient`: several handles as one client of the native trainer engine;
+  it gives each replica's workers their own ranks;
+- :func:`sync_weights`: pause every rollout (``keep`` + clear cache by default) ->
+  update -> finish with the version -> resume (also after a failed update, which leaves
+  the previous weights in place when vLLM rejected it up front);
+- :class:`VLLMEngineReplica`: a handle as a replica of
+  :class:`weightbus.manager.CheckpointEngineManager`.
+
+:class:`VLLMReplica` is the manager replica for the older ``worker_extension_cls`` path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError
+from weightbus.integrations.vllm.loader import KEPT
+from weightbus.runtime.group import Pending, WorkerError
+
+#: Pause modes vLLM knows: ``keep`` freezes in-flight requests (they continue after the
+#: update), ``abort`` ends them with finish reason ``abort``, ``wait`` lets them finish.
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+class Rollout:
+    """One vLLM engine (all its workers); subclasses map each call onto the engine."""
+
+    name: str = "vllm"
+    #: vLLM workers behind this engine (each is one rank of the weight-sync group)
+    size: int = 1
+
+    # vLLM's weight-sync control plane (VLLMWeightSyncClient)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def start_weight_update(self) -> None:
+        raise NotImplementedError
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        raise NotImplementedError
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        raise NotImplementedError
+
+    # versions and generation control
+    def weight_version(self) -> str | None:
+        raise NotImplementedError
+
+    def set_weight_version(self, version: str) -> None:
+        raise NotImplementedError
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Stop generating before an update; see :data:`PAUSE_MODES`."""
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError
+
+    def wake_up(self) -> None:
+        raise NotImplementedError
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise WeightbusError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return mode
+
+
+class OfflineLLMRollout(Rollout):
+    """An offline ``vllm.LLM`` built with ``weight_transfer_config={"backend": "weightbus"}``.
+    It generates only inside ``generate()``; pausing holds the scheduler (``sleep(level=0)``)
+    so requests another thread submits wait for the new weights."""
+
+    def __init__(self, llm: Any, name: str = "vllm"):
+        self.llm, self.name = llm, name
+        self.size = int(llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def weight_version(self) -> str | None:
+        return self.llm.get_weight_version()
+
+    def set_weight_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self.llm.sleep(level=0, mode=_check_mode(mode))
+        if clear_cache:  # level 0 keeps the caches; KV of the old weights must go
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def resume(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+
+class AsyncLLMRollout(Rollout):
+    """A ``vllm.v1.engine.async_llm.AsyncLLM`` serving on ``loop`` (default: the loop
+    running where this is built). Calls block the calling thread, which must not be the
+    loop's own (use ``asyncio.to_thread`` from async code)."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None, *,
+                 name: str = "vllm", timeout: float = DEFAULT_TIMEOUT):
+        self.engine, self.name, self.timeout = engine, name, timeout
+        self.loop = loop or asyncio.get_running_loop()
+        self.size = int(engine.vllm_config.parallel_config.world_size)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if getattr(self.loop, "_thread_id", None) == threading.get_ident():
+            raise WeightbusError("AsyncLLMRollout blocks: call it from another thread than the "
+                                 "engine's event loop (asyncio.to_thread)")
+
+        async def run() -> Any:
+            return await fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(self.timeout)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        self._call(lambda: self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self._call(self.engine.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        self._call(lambda: self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call(lambda: self.engine.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call(self.engine.shutdown_weight_transfer_engine)
+
+    def weight_version(self) -> str | None:
+        return self._call(self.engine.get_weight_version)
+
+    def set_weight_version(self, version: str) -> None:
+        self._call(lambda: self.engine.update_weight_version(version))
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._call(lambda: self.engine.pause_generation(mode=_check_mode(mode), clear_cache=clear_cache))
+
+    def resume(self) -> None:
+        self._call(self.engine.resume_generation)
+
+    def sleep(self, level: int = 1) -> None:
+        self._call(lambda: self.engine.sleep(level))
+
+    def wake_up(self) -> None:
+        self._call(self.engine.wake_up)
+
+
+class HTTPRollout(Rollout):
+    """``vllm serve ... --weight-transfer-config '{"backend": "weightbus"}'`` started with
+    ``VLLM_SERVER_DEV_MODE=1`` (which adds the pause and weight routes). ``workers``:
+    the server's vLLM workers (TP x PP x DP)."""
+
+    def __init__(self, base_url: str, *, workers: int = 1, name: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.base_url, self.size, self.timeout = base_url.rstrip("/"), int(workers), timeout
+        self.name = name or self.base_url
+
+    def _request(self, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None,
+                 method: str = "POST") -> Any:
+        url = f"{self.base_url}/{path}"
+        if query:
+            url += "?" + urllib.parse.urlencode(query, doseq=True)
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise WeightbusError(f"{self.name}: {method} /{path} answered {e.code}: "
+                                 f"{e.read().decode(errors='replace')[:2000]}") from None
+        except OSError as e:
+            raise WeightbusError(f"{self.name}: {method} /{path} failed: {e}") from None
+        return json.loads(raw) if raw else None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._request("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._request("finish_weight_update", {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("shutdown_weight_transfer_engine")
+
+    def weight_version(self) -> str | None:
+        return self._request("weight_info", method="GET")["weight_version"]
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("update_weight_version", {"new_version": version})
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._request("pause", query={"mode": _check_mode(mode), "clear_cache": str(clear_cache).lower()})
+
+    def resume(self) -> None:
+        self._request("resume")
+
+    def sleep(self, level: int = 1) -> None:
+        self._request("sleep", query={"level": level})
+
+    def wake_up(self) -> None:
+        self._request("wake_up")
+
+
+# ------------------------------------------------------------------ several rollouts
+
+
+class RolloutClient:
+    """Several rollouts as the one client a ``TrainerWeightTransferEngine`` drives. Calls
+    go to every rollout at once; each rollout's workers get ranks after the previous
+    rollouts' (``rank_offset``)."""
+
+    def __init__(self, rollouts: Sequence[Rollout]):
+        if not rollouts:
+            raise WeightbusError("RolloutClient needs at least one rollout")
+        self.rollouts = list(rollouts)
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(self.rollouts),
+                                                           thread_name_prefix="wb-rollouts")
+
+    @property
+    def rollout_world_size(self) -> int:
+        return sum(r.size for r in self.rollouts)
+
+    def _each(self, call: Callable[[Rollout, int], Any]) -> list[Any]:
+        offsets, off = [], 0
+        for r in self.rollouts:
+            offsets.append(off)
+            off += r.size
+        futs = [self._pool.submit(call, r, o) for r, o in zip(self.rollouts, offsets, strict=True)]
+        errors, out = [], []
+        for r, f in zip(self.rollouts, futs, strict=True):
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001 - collected, every rollout is waited for
+                errors.append(f"{r.name}: {type(e).__name__}: {e}")
+        if errors:
+            raise WeightbusError("; ".join(errors))
+        return out
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._each(lambda r, off: r.init_weight_transfer_engine({**init_info, "rank_offset": off}))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda r, _: r.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._each(lambda r, _: r.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each(lambda r, _: r.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._each(lambda r, _: r.shutdown_weight_transfer_engine())
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._each(lambda r, _: r.pause(mode, clear_cache))
+
+    def resume(self) -> None:
+        self._each(lambda r, _: r.resume())
+
+
+def sync_weights(engine: Any, client: RolloutClient, version: int | None = None, *,
+                 mode: str = "keep", clear_cache: bool = True) -> Any:
+    """Trainer rank 0's step: pause every rollout -> ``engine.send_weights`` (start,
+    update, finish with the version) -> resume. Other trainer ranks call only
+    ``engine.send_weights(version)``. Generation resumes after a failed update too: vLLM
+    then still holds the previous weights if it rejected the update up front."""
+    client.pause(mode, clear_cache)
+    try:
+        return engine.send_weights(version)
+    finally:
+        client.resume()
+
+
+# ------------------------------------------------------------------ manager replicas
+
+
+class _Call:
+    """A pending call on a rollout, as the manager's :class:`Pending`."""
+
+    def __init__(self, name: str, method: str, fut: concurrent.futures.Future):
+        self.name, self.method, self.fut = name, method, fut
+
+    def result(self, timeout: float) -> list[Any]:
+        try:
+            return list(self.fut.result(timeout))
+        except concurrent.futures.TimeoutError:
+            raise WorkerError(self.name, self.method, {0: f"no answer within {timeout:.0f}s"},
+                              {0: "timed out"}) from None
+        except Exception as e:  # noqa: BLE001 - vLLM re-raises the worker's error
+            kind = "died" if "EngineDead" in type(e).__name__ else "raised"
+            raise WorkerError(self.name, self.method, {0: f"{type(e).__name__}: {e}"}, {0: kind}) from e
+
+
+class _ReplicaBase:
+    def __init__(self, name: str, size: int):
+        self.name, self._size = name, size
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"wb-{name}")
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _submit(self, method: str, fn: Callable[[], Any]) -> Pending:
+        return _Call(self.name, method, self._pool.submit(lambda: [fn()] * self._size))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class VLLMEngineReplica(_ReplicaBase):
+    """A :class:`Rollout` (a vLLM engine on the native ``weightbus`` backend) as one
+    replica of :class:`weightbus.manager.CheckpointEngineManager`. ``mode`` overrides the
+    manager's pause mode for this replica."""
+
+    def __init__(self, rollout: Rollout, name: str | None = None, *, mode: str | None = None):
+        super().__init__(name or rollout.name, rollout.size)
+        self.rollout = rollout
+        self.mode = _check_mode(mode) if mode else None
+        self._setup: tuple[str, dict[str, Any]] = ("gloo", {})
+
+    def submit(self, method: str, args: Sequence[tuple] | None = None,
+               kwargs: Sequence[dict] | None = None) -> Pending:
+        r = self.rollout
+        if method == "wb_setup":
+            backend, _, engine_kwargs = args[0]  # type: ignore[index]
+            self._setup = (backend, dict(engine_kwargs))
+            return self._submit(method, lambda: None)
+        if method == "wb_connect":
+            addr, port, prefix, rank, T, R = args[0]  # type: ignore[index]
+            info = {"master_address": addr, "master_port": port, "prefix": prefix,
+                    "trainer_world_size": T, "rollout_world_size": R, "rank_offset": rank - T,
+                    "transport": self._setup[0], "engine_kwargs": self._setup[1]}
+            return self._submit(method, lambda: r.init_weight_transfer_engine(info))
+        if method == "wb_receive":
+            return self._submit(method, lambda: self._receive(int(args[0][0])))  # type: ignore[index]
+        if method == "wb_version":
+            return self._submit(method, self._version)
+        if method == "pause_generation":
+            mode = self.mode or (kwargs[0].get("mode") if kwargs else None) or "keep"
+            return self._submit(method, lambda: r.pause(mode))
+        if method == "resume_generation":
+            return self._submit(method, r.resume)
+        if method in ("sleep", "wake_up"):
+            return self._submit(method, getattr(r, method))
+        if method == "wb_teardown":
+            return self._submit(method, r.shutdown_weight_transfer_engine)
+        raise WeightbusError(f"{self.name}: a vLLM replica has no call {method!r}")
+
+    def _receive(self, version: int) -> dict[str, Any]:
+        r = self.rollout
+        r.start_weight_update()
+        try:
+            r.update_weights({"version": version})
+        except Exception as e:
+            if KEPT not in str(e):  # loading had begun: the model may be torn
+                r.set_weight_version("none")
+            raise
+        r.finish_weight_update(str(version))
+        return {"bytes": 0}
+
+    def _version(self) -> int | None:
+        v = self.rollout.weight_version()
+        return int(v) if v is not None and str(v).isdigit() else None
+
+
+class VLLMReplica(_ReplicaBase):
+    """An offline ``vllm.LLM`` built with ``WeightbusWorkerExtension`` (the fallback for
+    vLLMs without the native weight-transfer API) as one replica of the manager; its TP
+    workers are the group's ranks."""
+
+    def __init__(self, llm: Any, name: str = "vllm"):
+        super().__init__(name, int(llm.llm_engine.vllm_config.parallel_config.world_size))
+        self.llm = llm
+
+    def submit(self, method: str, args: Sequence[tuple] | None = None,
+               kwargs: Sequence[dict] | None = None) -> Pending:
+        if method in ("sleep", "wake_up"):
+            return self._submit(method, getattr(self.llm, method))
+        if method == "resume_generation":
+            # KV blocks cached for a prompt hold the old weights' keys and values
+            return self._submit(method, self.llm.reset_prefix_cache)
+        args_l = [tuple(a) for a in args] if args else None
+        kwargs_l = [dict(k) for k in kwargs] if kwargs else None
+        return _Call(self.name, method, self._pool.submit(
+            self.llm.collective_rpc, "wb_dispatch", args=(method, args_l, kwargs_l)))
