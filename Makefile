@@ -38,7 +38,7 @@ $(VLLM_BIN)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_BIN)/.installed
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm.py tests/test_vllm_native.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm.py tests/test_vllm_native.py tests/test_vllm_async.py tests/test_vllm_http.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

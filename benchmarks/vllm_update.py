@@ -1,13 +1,15 @@
-"""Update time into a real vLLM engine (CPU build), through the manager: a transformers
-trainer (fp32, real optimizer steps) -> gloo -> vLLM's load_weights (bf16).
+"""Update time into a real vLLM engine (CPU build) on the native ``weightbus`` backend:
+trainer rank 0 (transformers, bf16, here, next to the offline LLM) -> gloo -> vLLM's
+``load_weights`` inside its layerwise reload, the whole pause -> update -> resume step.
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_update.py --size tiny --size 0.5b
+    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_update.py --size tiny --size 3b
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -15,66 +17,69 @@ import time
 import torch
 
 from weightbus import ModuleSource
-from weightbus.manager import CheckpointEngineManager
-from weightbus.runtime.group import LocalWorkerGroup, call
-from weightbus.worker import WeightbusWorker
 
-SIZES = {  # Qwen2 shapes; 0.5b is Qwen2.5-0.5B's config (494M parameters, tied embeddings)
+SIZES = {  # Qwen2 shapes; 0.5b/1.5b/3b are Qwen2.5's configs (tied embeddings)
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1),
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=64),
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2),
+                 num_attention_heads=14, num_key_value_heads=2, head_dim=64),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, head_dim=128),
+    "3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, head_dim=128),
 }
 
 
-class Trainer(WeightbusWorker):
-    def __init__(self, rank: int, world: int, path: str):
-        from transformers import AutoModelForCausalLM
-        torch.set_num_threads(1)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-    def step(self) -> None:
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.neg_()
-
-    def weights_source(self) -> ModuleSource:
-        sd = dict(self.model.state_dict())
-        if self.model.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        return ModuleSource(sd, dtype=torch.bfloat16)
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(size: str, updates: int) -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from weightbus.integrations.vllm import VLLMReplica
+    from weightbus.integrations.vllm import OfflineLLMRollout, RolloutClient, sync_weights
+    from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
+
     path = tempfile.mkdtemp(prefix=f"qwen2-{size}-")
-    cfg = Qwen2Config(**SIZES[size], head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+    cfg = Qwen2Config(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=True)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    torch.set_default_dtype(torch.bfloat16)  # made and held in bf16: the largest shape fits
+    model = Qwen2ForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(path)
+    params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     llm = vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                   max_model_len=256, max_num_seqs=4,
-                   worker_extension_cls="weightbus.integrations.vllm.WeightbusWorkerExtension")
+                   max_model_len=256, max_num_seqs=4, weight_transfer_config={"backend": "weightbus"})
     start = time.perf_counter() - t0
-    trainer = LocalWorkerGroup(Trainer, 1, path, name="trainer")
-    mgr = CheckpointEngineManager("gloo", trainer, [VLLMReplica(llm)], timeout=600)
+    client = RolloutClient([OfflineLLMRollout(llm)])
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=1, timeout=600,
+                                    master_address="127.0.0.1", master_port=_port())
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(sd))
     try:
-        first = mgr.update_weights(version=0)
+        t0 = time.perf_counter()
+        stats = sync_weights(engine, client, 1)
+        first = time.perf_counter() - t0
         totals, transfers = [], []
-        for v in range(1, updates + 1):
-            call(trainer, "step", timeout=600)
-            r = mgr.update_weights(version=v)
-            totals.append(r.seconds)
-            transfers.append(r.phases["transfer"])
-        return {"size": size, "params": sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters()),
-                "bytes": r.bytes, "engine_start_s": start, "first_update_s": first.seconds,
-                "update_s": statistics.median(totals), "transfer_s": statistics.median(transfers)}
+        for v in range(2, updates + 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.neg_()
+            t0 = time.perf_counter()
+            stats = sync_weights(engine, client, v)
+            totals.append(time.perf_counter() - t0)
+            transfers.append(stats.seconds)
+        assert llm.get_weight_version() == str(updates + 1)
+        return {"size": size, "params": params, "bytes": stats.bytes, "engine_start_s": start,
+                "first_update_s": first, "update_s": statistics.median(totals),
+                "transfer_s": statistics.median(transfers)}
     finally:
-        mgr.shutdown()
-        trainer.shutdown()
+        engine.shutdown()
         llm.llm_engine.engine_core.shutdown()
 
 
@@ -85,9 +90,11 @@ if __name__ == "__main__":
     p.add_argument("--updates", type=int, default=3)
     a = p.parse_args()
     rows = [run(s, a.updates) for s in a.size or ["tiny"]]
-    print(f"{'size':<6} {'params':>12} {'MB bf16':>8} {'vLLM start s':>12} {'1st update s':>12} "
+    # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
+    # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer)
+    print(f"{'size':<6} {'params':>14} {'MB bf16':>8} {'vLLM start s':>12} {'1st update s':>12} "
           f"{'update s':>9} {'transfer s':>10} {'GB/s':>6}")
     for r in rows:
-        print(f"{r['size']:<6} {r['params']:>12,} {r['bytes'] / 1e6:>8.1f} {r['engine_start_s']:>12.1f} "
+        print(f"{r['size']:<6} {r['params']:>14,} {r['bytes'] / 1e6:>8.1f} {r['engine_start_s']:>12.1f} "
               f"{r['first_update_s']:>12.2f} {r['update_s']:>9.3f} {r['transfer_s']:>10.3f} "
               f"{r['bytes'] / r['transfer_s'] / 1e9:>6.2f}")
