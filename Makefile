@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-vllm lint bench clean
+.PHONY: demo demo-vllm test test-vllm lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,12 @@ $(VLLM_BIN)/.installed: pyproject.toml
 	$(VLLM_BIN)/pip install -q pytest pytest-timeout
 	touch $@
 
+# FSDP2 trainers -> a real vLLM engine (native `weightbus` backend), checked per update
+demo-vllm: $(VLLM_BIN)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/weightbus demo --rollout vllm
+
 test-vllm: $(VLLM_BIN)/.installed
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm.py tests/test_vllm_native.py tests/test_vllm_async.py tests/test_vllm_http.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

@@ -8,6 +8,8 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.rollout == "vllm":
+        return _demo_vllm(args)
     from weightbus.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(backend=args.backend, trainers=args.trainers, rollouts=args.rollouts,
@@ -26,6 +28,32 @@ def _demo(args: argparse.Namespace) -> int:
     if rows and rows[0].get("floor_gbps"):
         print("floor: a raw broadcast of the same buckets over the same groups, best of 3, same run;\n"
               "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("--rollout vllm needs vLLM: pip install 'weightbus[vllm]' (make test-vllm builds "
+              ".venv-vllm with the CPU build)", file=sys.stderr)
+        return 2
+    from weightbus.integrations.vllm.demo import run_vllm_demo
+
+    print(f"weightbus demo: {args.trainers} FSDP2 trainer ranks (gloo) -> a vLLM engine (native "
+          f"'weightbus' backend) over '{args.backend}', {args.steps} optimizer steps, fp32", flush=True)
+    rows = run_vllm_demo(trainers=args.trainers, steps=args.steps, backend=args.backend)
+    print(f"{'update':>6} {'loss':>8} {'MB':>8} {'seconds':>8} {'transfer s':>10} "
+          f"{'vLLM version':>12}  check")
+    for r in rows:
+        print(f"{r['step']:>6} {r['loss']:>8.4f} {r['bytes'] / 1e6:>8.1f} {r['seconds']:>8.3f} "
+              f"{r['transfer_seconds']:>10.3f} {r['version']:>12}  "
+              f"{'vLLM == transformers' if r['verified'] else 'MISMATCH'}")
+    print("seconds: pause (keep) -> transfer into vLLM's load_weights -> finish -> resume;\n"
+          "check: vLLM's greedy tokens equal the trainers' transformers model, and changed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -51,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified")
     d.add_argument("--backend", default="gloo", help="engine backend (default: gloo)")
+    d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",
+                   help="rollout ranks: plain torch modules (default) or a real vLLM engine")
     d.add_argument("--trainers", type=int, default=2)
     d.add_argument("--rollouts", type=int, default=2)
     d.add_argument("--steps", type=int, default=3)
