@@ -54,7 +54,7 @@ class TinyTransformer(nn.Module):
 
 def digest(t: torch.Tensor) -> str:
     """A bitwise fingerprint of a tensor's dtype, shape and bytes."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
     return f"{t.dtype}{list(t.shape)}:{hashlib.sha256(raw).hexdigest()[:32]}"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from weightbus.plan import Manifest
 
 #: Ends the error of an update that failed before anything loaded.
 KEPT = "vLLM kept its previous weights"
+_log = logging.getLogger("vllm.weightbus")  # inside vLLM: printed with its own logs
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _WRAPPER = "online_process_loader"  # vLLM's layerwise wrapper around a weight loader
 
@@ -88,6 +90,8 @@ class VLLMModelLoader:
         if self._reload:
             self._reload[0](self.model)
         self._active, self._counted = True, None
+        #: seconds of the last update: in load (of which waiting for bytes), finalizing
+        self.timing: dict[str, float] = {}
 
     def preflight(self, manifest: Manifest) -> None:
         """Raise :class:`RejectedUpdate` if this model cannot take ``manifest`` whole."""
@@ -105,18 +109,27 @@ class VLLMModelLoader:
         """Feed ``stream`` to ``model.load_weights``; returns (bytes, tensors). The stream
         is drained even if the model stops early, so the update completes everywhere."""
         counted = self._counted = _Counting(iter(stream))
+        start = time.perf_counter()
         self.model.load_weights(counted)
         for _ in counted:
             pass
+        self.timing = {"seconds": time.perf_counter() - start, "waiting": counted.waiting}
         return counted.bytes, counted.tensors
 
     def commit(self) -> None:
         if not self._active:
             return
         self._active = False
+        start = time.perf_counter()
         if self._reload:
             self._reload[1](self.model, self.model_config)
         refresh_shared_cpu_kernels(self.model)
+        t = self.timing
+        t["finalize"] = time.perf_counter() - start
+        _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
+                  "load_weights, then %.3f s finalizing", self.where, self._counted.bytes / 1e6
+                  if self._counted else 0.0, t.get("seconds", 0.0), t.get("waiting", 0.0),
+                  t.get("seconds", 0.0) - t.get("waiting", 0.0), t["finalize"])
 
     def abort(self) -> None:
         """End a failed update: layers that got only part of their weights keep their
@@ -218,7 +231,7 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
                 model.load_weights(metas())
         except (NotImplementedError, RuntimeError) as e:
             if "meta" in str(e) and "size" not in str(e):
-                logging.getLogger(__name__).warning(
+                _log.warning(
                     "weightbus: cannot dry-run this model's loaders on meta tensors (%s); "
                     "the update is not checked before it loads", e)
                 return None
@@ -299,13 +312,17 @@ def refresh_shared_cpu_kernels(model: Any) -> None:
 
 class _Counting:
     def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
-        self.stream, self.bytes, self.tensors = stream, 0, 0
+        self.stream, self.bytes, self.tensors, self.waiting = stream, 0, 0, 0.0
 
     def __iter__(self) -> _Counting:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        name, t = next(self.stream)
+        start = time.perf_counter()
+        try:
+            name, t = next(self.stream)
+        finally:
+            self.waiting += time.perf_counter() - start
         self.bytes += t.numel() * t.element_size()
         self.tensors += 1
         return name, t
