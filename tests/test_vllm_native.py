@@ -13,7 +13,12 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from vllm_workers import BreakingSource, NativeTrainer  # noqa: E402
+from vllm_workers import (  # noqa: E402
+    BreakingSource,
+    NativeTrainer,
+    expected_vllm_digests,
+    vllm_param_digests,
+)
 
 from weightbus import WeightSyncError  # noqa: E402
 from weightbus.integrations.vllm import (  # noqa: E402
@@ -43,6 +48,7 @@ def llm(tmp_path_factory):
     """A tiny Qwen2 with tied embeddings (vLLM fuses qkv and gate_up) in one offline vLLM
     engine on the native backend, shared by the module's tests (start-up takes ~20 s)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(vllm_param_digests)
     path = str(tmp_path_factory.mktemp("tiny-qwen2-tied"))
     make_model(path, tied=True)
     engine = vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -50,6 +56,23 @@ def llm(tmp_path_factory):
                       weight_transfer_config={"backend": "weightbus"})
     yield path, engine
     engine.llm_engine.engine_core.shutdown()
+
+
+def assert_bitwise(llm, trainer):
+    """Every parameter vLLM holds equals the trainer's bitwise, fused the way vLLM fuses
+    them. On the CPU vLLM moves linear weights into oneDNN kernels and leaves the
+    parameter empty: those are checked by the greedy tokens instead."""
+    sd = {k: v for k, v in trainer.model.state_dict().items() if k != "lm_head.weight"
+          or not trainer.model.config.tie_word_embeddings}
+    got, want = llm.collective_rpc(vllm_param_digests)[0], expected_vllm_digests(sd)
+    assert got.keys() == want.keys()
+    held = [n for n in want if "[0]:" not in got[n]]
+    assert len(held) >= 8  # embedding, norms, qkv biases
+    assert [n for n in held if got[n] != want[n]] == []
+
+
+def llm_digests(llm):
+    return llm.collective_rpc(vllm_param_digests)[0]
 
 
 def greedy(llm, n=8):
@@ -61,11 +84,11 @@ def greedy(llm, n=8):
 class Trainers:
     """Rank 0 here, rank 1 in its own process; every call goes to both."""
 
-    def __init__(self, path, port, rollout, world=2, transport="gloo"):
-        self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport)
+    def __init__(self, path, port, rollout, world=2, transport="gloo", bucket_size=None):
+        self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport, bucket_size=bucket_size)
         self.others = LocalWorkerGroup(NativeTrainer, world - 1, path, port, rollout.size, transport,
-                                       trainer_rank=1, trainer_world=world, name="trainer1") \
-            if world > 1 else None
+                                       trainer_rank=1, trainer_world=world, bucket_size=bucket_size,
+                                       name="trainer1") if world > 1 else None
         self.client = RolloutClient([rollout])
         self.each("connect", local_args=(self.client,))
 
@@ -116,6 +139,7 @@ def test_native_updates_and_bad_input(llm, free_port):
             losses = tr.each("train_step", step)
             assert losses[0] == losses[1]  # the two ranks hold the same replica
             tr.update(step)
+            assert_bitwise(engine, tr.rank0)
             got = greedy(engine)
             assert got == tr.rank0.greedy(PROMPTS, 8), f"version {step}: vLLM != transformers"
             assert got != previous  # the weights really changed
@@ -123,6 +147,7 @@ def test_native_updates_and_bad_input(llm, free_port):
             assert engine.get_weight_version() == str(step)  # recorded by finish_weight_update
 
         # bad input is rejected before anything loads: vLLM keeps serving version 3
+        served = llm_digests(engine)
         hidden = tr.rank0.model.config.hidden_size
         bad = {
             "unknown name": ({"model.bogus.weight": torch.ones(4, 4)}, "bogus"),
@@ -137,6 +162,7 @@ def test_native_updates_and_bad_input(llm, free_port):
                 tr.update(step)
             assert KEPT in str(err.value), what
             assert greedy(engine) == previous, f"{what}: vLLM no longer serves version 3"
+            assert llm_digests(engine) == served, f"{what}: vLLM's weights changed"
             assert engine.get_weight_version() == "3"
 
         # a trainer failing mid-stream: the update fails everywhere, the engine lives on
@@ -165,6 +191,21 @@ def test_native_colocated_shared_memory(llm, free_port):
             tr.update(step, mode="abort")
             assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
             assert engine.get_weight_version() == str(step)
+    finally:
+        tr.close()
+
+
+def test_native_layers_spanning_many_buckets(llm, free_port):
+    """vLLM's layerwise reload holds a layer's tensors until the layer is complete; with
+    buckets far smaller than a layer, those tensors must outlive their bucket's reuse."""
+    path, engine = llm
+    tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=2, bucket_size=16 << 10)
+    try:
+        for step in (31, 32):
+            tr.each("train_step", step)
+            tr.update(step)
+            assert_bitwise(engine, tr.rank0)
+            assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
     finally:
         tr.close()
 

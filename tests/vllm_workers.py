@@ -55,7 +55,7 @@ class NativeTrainer:
     sends its own share of the buckets). Rank 0 runs in the test process next to vLLM."""
 
     def __init__(self, rank, world, path, port, rollout_world_size, transport="gloo", *,
-                 trainer_rank=None, trainer_world=None):
+                 trainer_rank=None, trainer_world=None, bucket_size=None):
         from transformers import AutoModelForCausalLM
 
         from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
@@ -67,7 +67,7 @@ class NativeTrainer:
         world = world if trainer_world is None else trainer_world
         self.info = WeightbusTrainerInitInfo(rank=rank, world_size=world, master_address="127.0.0.1",
                                              master_port=port, rollout_world_size=rollout_world_size,
-                                             transport=transport, timeout=60)
+                                             transport=transport, timeout=60, bucket_size=bucket_size)
         self.engine = None
 
     def connect(self, client=None):
@@ -117,3 +117,29 @@ class BreakingSource:
             if i == self.after:
                 raise RuntimeError("trainer failed mid-update")
             yield item
+
+
+def vllm_param_digests(worker):
+    """Runs in a vLLM worker (``llm.collective_rpc(vllm_param_digests)``): a bitwise digest
+    of every parameter vLLM holds, under vLLM's names."""
+    from weightbus.demo import digest
+    return {n: digest(p) for n, p in worker.model_runner.model.named_parameters()}
+
+
+def expected_vllm_digests(state_dict):
+    """What vLLM's Qwen2 must hold for a transformers state dict: q/k/v and gate/up fused
+    along dim 0; a tied lm_head is the embedding itself."""
+    from weightbus.demo import digest
+    sd, out = dict(state_dict), {}
+    for name in list(sd):
+        if ".self_attn.q_proj." in name:
+            pre, kind = name.split(".self_attn.q_proj.")
+            parts = [sd.pop(f"{pre}.self_attn.{p}_proj.{kind}") for p in "qkv"]
+            out[f"{pre}.self_attn.qkv_proj.{kind}"] = digest(torch.cat(parts))
+        elif ".mlp.gate_proj." in name:
+            pre, kind = name.split(".mlp.gate_proj.")
+            parts = [sd.pop(f"{pre}.mlp.{p}_proj.{kind}") for p in ("gate", "up")]
+            out[f"{pre}.mlp.gate_up_proj.{kind}"] = digest(torch.cat(parts))
+    for name, t in sd.items():
+        out[name] = digest(t)
+    return out

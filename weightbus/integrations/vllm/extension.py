@@ -48,22 +48,21 @@ class WeightbusWorkerExtension(EngineHost):
         assert self._wb_engine is not None, "wb_setup first"
         rank = getattr(self, "rank", 0)
         previous, self.weights_version = self.weights_version, None
-        loader = VLLMModelLoader(self.model_runner.model,  # type: ignore[attr-defined]
-                                 self.model_runner.model_config,  # type: ignore[attr-defined]
-                                 where=f"vLLM rank {rank}")
-        loader.begin()
+        loader = self.__dict__.get("_wb_loader")
+        if loader is None:  # kept: it caches its verdict per manifest
+            loader = self._wb_loader = VLLMModelLoader(
+                self.model_runner.model, self.model_runner.model_config,  # type: ignore[attr-defined]
+                where=f"vLLM rank {rank}")
         try:
             stream = self._wb_engine.receive_weights_sync(validate=loader.preflight)
             try:
-                nbytes, tensors = loader.load(stream)
+                nbytes, tensors = loader.receive(stream)
             finally:
                 stream.close()  # type: ignore[attr-defined]
         except BaseException:
-            loader.abort()
             if not loader.touched:  # rejected up front: the previous weights are intact
                 self.weights_version = previous
             raise
-        loader.commit()
         if self._wb_engine.version != version:
             raise RuntimeError(f"vLLM rank {rank}: received version {self._wb_engine.version}, "
                                f"expected {version}")

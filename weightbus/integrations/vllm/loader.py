@@ -20,6 +20,7 @@ quantized) and keeps tensor addresses stable (CUDA graphs stay valid).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -56,8 +57,12 @@ def layerwise_reload() -> tuple[Any, Any] | None:
 
 
 class VLLMModelLoader:
-    """One vLLM worker's model as the target of updates: ``begin`` -> ``preflight`` (the
-    engine calls it with the manifest) -> ``load`` -> ``commit``, or ``abort`` on failure.
+    """One vLLM worker's model as the target of updates. The engine calls
+    :meth:`preflight` with the manifest before any tensor is yielded; :meth:`receive`
+    then runs the whole update. vLLM's layerwise reload begins at the first tensor and is
+    finalized (or aborted) before :meth:`receive` returns, so the model never waits
+    half-reloaded between two RPCs (a trainer that dies between ``start`` and ``finish``
+    cannot leave vLLM's parameters on the meta device).
 
     Args:
         model: the worker's model (``model_runner.model``).
@@ -71,71 +76,80 @@ class VLLMModelLoader:
         self.model, self.model_config = model, model_config
         self.partial, self.where = partial, where
         self._reload = layerwise_reload()
-        self._active = False
+        self._active = self._touched = False
         self._counted: _Counting | None = None
         self._verdicts: dict[int, str | None] = {}  # manifest fingerprint -> rejection reason
-
-    @property
-    def active(self) -> bool:
-        return self._active
+        #: seconds of the last update: in total, waiting for bytes, finalizing
+        self.timing: dict[str, float] = {}
 
     @property
     def touched(self) -> bool:
-        """Whether the model has received any tensor of this update."""
-        return bool(self._counted and self._counted.tensors)
-
-    def begin(self) -> None:
-        if self._active:
-            raise WeightbusError(f"{self.where}: an update is already in progress")
-        if self._reload:
-            self._reload[0](self.model)
-        self._active, self._counted = True, None
-        #: seconds of the last update: in load (of which waiting for bytes), finalizing
-        self.timing: dict[str, float] = {}
+        """Whether the last update had begun changing the model (a rejected one has not:
+        its abort gives every layer its kernel tensors back)."""
+        return self._touched
 
     def preflight(self, manifest: Manifest) -> None:
-        """Raise :class:`RejectedUpdate` if this model cannot take ``manifest`` whole."""
+        """Raise :class:`RejectedUpdate` if this model cannot take ``manifest`` whole.
+        Begins vLLM's layerwise reload: the dry run needs the model-format parameters it
+        restores (on meta), as the kernel-format ones may have lost their loaders."""
+        if not self._active:
+            self._begin()
         fp = manifest.fingerprint
         if fp not in self._verdicts:
-            self._verdicts[fp] = _dry_run(self.model, manifest, self.partial) \
-                if self._reload and self._active else None
+            self._verdicts[fp] = _dry_run(self.model, manifest, self.partial) if self._reload else None
             while len(self._verdicts) > 8:
                 self._verdicts.pop(next(iter(self._verdicts)))
         reason = self._verdicts[fp]
         if reason:
             raise RejectedUpdate(f"{self.where}: {reason} [{KEPT}]")
 
-    def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Feed ``stream`` to ``model.load_weights``; returns (bytes, tensors). The stream
-        is drained even if the model stops early, so the update completes everywhere."""
-        counted = self._counted = _Counting(iter(stream))
+    def receive(self, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Load one update from ``stream`` into the model through ``model.load_weights``;
+        returns (bytes, tensors). The stream is drained even if the model stops early, so
+        the update completes on every rank."""
+        # vLLM's layerwise reload holds a layer's tensors until the layer is complete, which
+        # can be after their bucket was reused: views of a bucket are copied out
+        counted = self._counted = _Counting(iter(stream), own=self._reload is not None)
+        self._touched = False
         start = time.perf_counter()
-        self.model.load_weights(counted)
-        for _ in counted:
-            pass
-        self.timing = {"seconds": time.perf_counter() - start, "waiting": counted.waiting}
+        try:
+            first = next(counted, None)  # the header and the preflight come before it
+            if not self._active:
+                self._begin()
+            if first is not None:
+                self._touched = True
+                self.model.load_weights(itertools.chain([first], counted))
+            for _ in counted:
+                pass
+        except BaseException:
+            self._abort()
+            raise
+        loaded = time.perf_counter()
+        self._commit()
+        self.timing = {"seconds": time.perf_counter() - start, "waiting": counted.waiting,
+                       "finalize": time.perf_counter() - loaded}
+        t = self.timing
+        _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
+                  "load_weights, %.3f s finalizing", self.where, counted.bytes / 1e6, t["seconds"],
+                  t["waiting"], t["seconds"] - t["waiting"] - t["finalize"], t["finalize"])
         return counted.bytes, counted.tensors
 
-    def commit(self) -> None:
-        if not self._active:
-            return
+    def _begin(self) -> None:
+        if self._reload:
+            self._reload[0](self.model)
+        self._active = True
+
+    def _commit(self) -> None:
         self._active = False
-        start = time.perf_counter()
         if self._reload:
             self._reload[1](self.model, self.model_config)
         refresh_shared_cpu_kernels(self.model)
-        t = self.timing
-        t["finalize"] = time.perf_counter() - start
-        _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
-                  "load_weights, then %.3f s finalizing", self.where, self._counted.bytes / 1e6
-                  if self._counted else 0.0, t.get("seconds", 0.0), t.get("waiting", 0.0),
-                  t.get("seconds", 0.0) - t.get("waiting", 0.0), t["finalize"])
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         """End a failed update: layers that got only part of their weights keep their
         previous tensors."""
         if not self._active:
-            return
+            return  # failed before the model was touched
         self._active = False
         if self._reload:
             from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -311,8 +325,9 @@ def refresh_shared_cpu_kernels(model: Any) -> None:
 
 
 class _Counting:
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
-        self.stream, self.bytes, self.tensors, self.waiting = stream, 0, 0, 0.0
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], own: bool = False):
+        self.stream, self.own = stream, own
+        self.bytes, self.tensors, self.waiting = 0, 0, 0.0
 
     def __iter__(self) -> _Counting:
         return self
@@ -323,6 +338,8 @@ class _Counting:
             name, t = next(self.stream)
         finally:
             self.waiting += time.perf_counter() - start
+        if self.own and t._base is not None:  # a view of a bucket slot
+            t = t.clone()
         self.bytes += t.numel() * t.element_size()
         self.tensors += 1
         return name, t

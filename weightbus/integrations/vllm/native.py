@@ -86,6 +86,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         super().__init__(*args, **kwargs)
         self._engine: CheckpointEngine | None = None
         self._loader: VLLMModelLoader | None = None
+        self._loaders: dict[tuple[int, bool], VLLMModelLoader] = {}
         self._partial = False
         pc = self.parallel_config
         #: this worker's index among the replica's workers (data parallel included)
@@ -112,9 +113,13 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         self._engine, self._partial = engine, init_info.partial
 
     def start_weight_update(self) -> None:
-        self._loader = VLLMModelLoader(self.model, self.model_config, partial=self._partial,
-                                       where=self.where())
-        self._loader.begin()
+        # the target is fixed now (vLLM may have pointed us at a draft model); the model
+        # itself is touched only inside receive_weights
+        key = (id(self.model), self._partial)
+        if key not in self._loaders:  # kept per target: it caches its verdict per manifest
+            self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
+                                                 partial=self._partial, where=self.where())
+        self._loader = self._loaders[key]
 
     def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
         if self._engine is None or self._loader is None:
@@ -124,21 +129,19 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         try:
             stream = self._engine.receive_weights_sync(validate=loader.preflight)
             try:
-                loader.load(stream)
+                loader.receive(stream)  # layerwise reload: initialized and finalized in here
             finally:
                 stream.close()  # type: ignore[attr-defined]
-            if update_info.version and self._engine.version != update_info.version:
-                raise WeightSyncError(f"{self.where()}: received version {self._engine.version}, "
-                                      f"expected {update_info.version}")
         except Exception as e:
-            loader.abort()  # vLLM will not call finish_weight_update after a failure
             if not loader.touched and KEPT not in str(e):
                 raise WeightSyncError(f"{e} [{KEPT}]") from e
             raise
+        if update_info.version and self._engine.version != update_info.version:
+            raise WeightSyncError(f"{self.where()}: received version {self._engine.version}, "
+                                  f"expected {update_info.version}")
 
     def finish_weight_update(self) -> None:
-        if self._loader is not None:
-            self._loader.commit()
+        self._loader = None  # receive_weights already finalized vLLM's layerwise reload
 
     def shutdown(self) -> None:
         if self._engine is not None:
