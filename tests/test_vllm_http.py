@@ -55,7 +55,11 @@ def server(tmp_path_factory):
             time.sleep(1)
     yield path, url
     proc.terminate()
-    proc.wait(30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
     log.close()
 
 
