@@ -500,15 +500,19 @@ class BucketEngine(CheckpointEngine):
             inner.close()
 
     def receive_weights_sync(self, *, expected: Manifest | None = None,
-                             validate: Validator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                             validate: Validator | None = None,
+                             on_release: Callable[[torch.Tensor], None] | None = None,
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """``receive_weights`` as a plain iterator, for consumers that take one (vLLM's
         ``load_weights``). Close it (or exhaust it) so the update completes everywhere.
 
         ``validate(manifest)`` runs once the manifest is known and before any tensor is
         yielded; if it raises, the update fails on every rank with its message and this
-        consumer sees no tensor (its model keeps the previous weights)."""
+        consumer sees no tensor (its model keeps the previous weights).
+        ``on_release(slot)`` runs just before a bucket's slot is reused: a consumer that
+        still holds views of it copies them out then (only those it still holds)."""
         self._check_ready("rollout")
-        return self._receive_iter(expected, validate)
+        return self._receive_iter(expected, validate, on_release)
 
     def _open_receive(self, expected: Manifest | None, validate: Validator | None = None
                       ) -> tuple[float, int, Manifest, str | None]:
@@ -526,7 +530,8 @@ class BucketEngine(CheckpointEngine):
                 error = f"{self.where()}: rejected version {version} before loading: {e}"
         return start, version, manifest, error
 
-    def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None
+    def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None,
+                      on_release: Callable[[torch.Tensor], None] | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
         start, version, manifest, error = self._open_receive(expected, validate)
         plan = self._plan(manifest)
@@ -552,6 +557,11 @@ class BucketEngine(CheckpointEngine):
                             break
                 except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
                     error = f"{self.where()}: unpacking bucket {b.index}: {e}"
+            if on_release is not None and error is None and not closed:
+                try:
+                    on_release(slot)
+                except Exception as e:  # noqa: BLE001
+                    error = f"{self.where()}: releasing bucket {b.index}: {e}"
             self._release(b)
             nxt = b.index + self.num_buffers
             if nxt < len(buckets):

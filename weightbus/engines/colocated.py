@@ -30,7 +30,7 @@ import asyncio
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import torch
@@ -335,13 +335,15 @@ class ColocatedEngine(BucketEngine):
         self.version = version
 
     def receive_weights_sync(self, *, expected: Manifest | None = None,
-                             validate: Validator | None = None) -> Any:
+                             validate: Validator | None = None,
+                             on_release: Callable[[torch.Tensor], None] | None = None) -> Any:
         if self._local:
             raise WeightSyncError(f"{self.where()}: in-process pass-through needs receive_weights() "
                                   f"in the sender's event loop")
         if self._direct:  # the trainer writes in place: a rejection comes after the bytes
             return self._receive_direct(expected, validate)
-        return super().receive_weights_sync(expected=expected, validate=validate)
+        return super().receive_weights_sync(expected=expected, validate=validate,
+                                            on_release=on_release)
 
     # --- direct mode ---------------------------------------------------------------------
     @staticmethod

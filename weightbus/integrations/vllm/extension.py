@@ -54,7 +54,8 @@ class WeightbusWorkerExtension(EngineHost):
                 self.model_runner.model, self.model_runner.model_config,  # type: ignore[attr-defined]
                 where=f"vLLM rank {rank}")
         try:
-            stream = self._wb_engine.receive_weights_sync(validate=loader.preflight)
+            stream = self._wb_engine.receive_weights_sync(validate=loader.preflight,
+                                                             on_release=loader.release)
             try:
                 nbytes, tensors = loader.receive(stream)
             finally:

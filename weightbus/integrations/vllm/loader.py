@@ -103,13 +103,27 @@ class VLLMModelLoader:
         if reason:
             raise RejectedUpdate(f"{self.where}: {reason} [{KEPT}]")
 
-    def receive(self, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    def release(self, slot: torch.Tensor) -> None:
+        """The engine is about to reuse ``slot`` (a bucket): vLLM's layerwise reload holds
+        a layer's tensors until the layer is complete, so tensors of a layer that straddles
+        buckets are still views of this one. Copy out those, and only those."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        storage = slot.untyped_storage().data_ptr()
+        for info in list(LAYERWISE_INFO.values()):
+            for _, bound in info.loaded_weights:
+                for key, v in bound.arguments.items():
+                    if isinstance(v, torch.Tensor) and v.device == slot.device and v.numel() \
+                            and v.untyped_storage().data_ptr() == storage:
+                        bound.arguments[key] = v.clone()
+
+    def receive(self, stream: Iterable[tuple[str, torch.Tensor]], *, own: bool = False
+                ) -> tuple[int, int]:
         """Load one update from ``stream`` into the model through ``model.load_weights``;
         returns (bytes, tensors). The stream is drained even if the model stops early, so
-        the update completes on every rank."""
-        # vLLM's layerwise reload holds a layer's tensors until the layer is complete, which
-        # can be after their bucket was reused: views of a bucket are copied out
-        counted = self._counted = _Counting(iter(stream), own=self._reload is not None)
+        the update completes on every rank. Pass the engine :meth:`release` as its
+        ``on_release``; a stream that cannot call it must be given ``own=True`` (every view
+        of a bucket is copied)."""
+        counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
         self._touched = False
         start = time.perf_counter()
         try:

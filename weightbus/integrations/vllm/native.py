@@ -127,7 +127,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                                  f"start_weight_update come first")
         loader = self._loader
         try:
-            stream = self._engine.receive_weights_sync(validate=loader.preflight)
+            stream = self._engine.receive_weights_sync(validate=loader.preflight,
+                                                             on_release=loader.release)
             try:
                 loader.receive(stream)  # layerwise reload: initialized and finalized in here
             finally:
