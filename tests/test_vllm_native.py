@@ -184,11 +184,15 @@ def test_native_updates_and_bad_input(llm, free_port):
 def test_native_colocated_shared_memory(llm, free_port):
     """The same engine re-initialised onto the colocated transport (shared memory on CPU)."""
     path, engine = llm
+    from vllm.distributed.weight_transfer import ModuleSource as VLLMModuleSource
     tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=1, transport="colocated")
     try:
-        for step in (11, 12):
+        for step in (11, 12, 13):
+            if step == 13:  # vLLM's own WeightSource works as the source too
+                tr.rank0.engine.source = VLLMModuleSource(tr.rank0.model)
             tr.each("train_step", step)
             tr.update(step, mode="abort")
+            assert_bitwise(engine, tr.rank0)
             assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
             assert engine.get_weight_version() == str(step)
     finally:

@@ -160,7 +160,9 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = NAME
 
+    #: this host (trainer rank 0), as vLLM's workers and the other trainer ranks reach it
     master_address: str
+    #: a free port there: rank 0 serves the rendezvous store on it
     master_port: int
     #: trainer ranks that send (each sends its own share of the buckets)
     world_size: int = 1
@@ -179,7 +181,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
     init_info_cls = WeightbusTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, init_info: WeightbusTrainerInitInfo):
-        super().__init__(client=client, source=_as_source(source), is_sender=init_info.is_sender)
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.info = init_info
         kwargs: dict[str, Any] = {"timeout": init_info.timeout}
         if init_info.bucket_size is not None:
@@ -227,6 +229,16 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
             raise
         if pending is not None:
             _result(pending, info.timeout, "init_weight_transfer_engine")
+
+    @property
+    def source(self) -> Any:
+        """What each update sends; assign a new one when the set of tensors changes: a
+        weightbus source (``ModuleSource``), an ``nn.Module``, or a vLLM ``WeightSource``."""
+        return self._source
+
+    @source.setter
+    def source(self, value: Any) -> None:
+        self._source = _as_source(value)
 
     def send_weights(self, version: int | None = None) -> Any:
         """One update; returns weightbus's :class:`UpdateStats`. Raises
