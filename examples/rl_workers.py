@@ -41,8 +41,9 @@ class Trainer(WeightbusWorker):
         if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world)
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
-            fully_shard(self.model)
+            fully_shard(self.model, mesh=init_device_mesh("cpu", (world,)))  # CPU even with CUDA
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def train_step(self, step: int, seconds: float = 0.0) -> float:

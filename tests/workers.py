@@ -270,7 +270,8 @@ def sharded_source(rank: int, port: int):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 7), nn.LayerNorm(7))  # 7 rows: uneven
-    fully_shard(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # CPU shards even where CUDA exists
     source = ModuleSource(model, dtype=torch.bfloat16)
     expected = {n: t.to(torch.bfloat16) for n, t in source}  # full_tensor() on every rank
     n = len(source.manifest)

@@ -94,10 +94,12 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
     if is_trainer:  # the trainer's own world: FSDP2 over gloo, unrelated to weightbus's groups
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{train_port}", rank=rank,
                                 world_size=T)
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (T,))  # CPU shards even where CUDA exists
         for blk in model.blocks:
-            fully_shard(blk)
-        fully_shard(model)
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         model = model.to(torch.bfloat16)

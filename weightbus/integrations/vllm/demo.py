@@ -44,9 +44,11 @@ class FSDPTrainer(WeightbusWorker):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.rank = rank
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world,))  # CPU shards even where CUDA exists
         for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def train_step(self, step: int) -> float:
