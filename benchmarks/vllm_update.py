@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 
 from weightbus import ModuleSource
+from weightbus.comm import free_port
 
 SIZES = {  # Qwen2 shapes; 0.5b/1.5b/3b are Qwen2.5's configs (tied embeddings)
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -57,12 +57,6 @@ def _reload_floor(worker, metas: list) -> float:
     return best
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(size: str, updates: int) -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -86,7 +80,7 @@ def run(size: str, updates: int) -> dict:
     client = RolloutClient([OfflineLLMRollout(llm)])
     sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
     info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=1, timeout=600,
-                                    master_address="127.0.0.1", master_port=_port())
+                                    master_address="127.0.0.1", master_port=free_port())
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(sd))
     try:
         t0 = time.perf_counter()

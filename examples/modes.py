@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -23,26 +22,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rl_workers import Rollout, Trainer  # noqa: E402
 
+from weightbus.comm import free_port  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
 T = 60.0  # every phase's deadline, seconds
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_groups(trainers: int, replicas: int, ray: bool = False) -> tuple[Any, list[Any]]:
     """A trainer group (FSDP2 over gloo when trainers > 1) and replicas of one rank each."""
     if ray:
         from weightbus.runtime.ray import RayWorkerGroup
-        trainer = RayWorkerGroup(Trainer, trainers, _free_port(), name="trainer")
+        trainer = RayWorkerGroup(Trainer, trainers, free_port(), name="trainer")
         reps = [RayWorkerGroup(Rollout, 1, name=f"replica{i}") for i in range(replicas)]
     else:
-        trainer = LocalWorkerGroup(Trainer, trainers, _free_port(), name="trainer")
+        trainer = LocalWorkerGroup(Trainer, trainers, free_port(), name="trainer")
         reps = [LocalWorkerGroup(Rollout, 1, name=f"replica{i}") for i in range(replicas)]
     return trainer, reps
 

@@ -19,8 +19,6 @@ def port():
 @pytest.fixture
 def free_port():
     """A port free right now (for a default process group's own TCP rendezvous)."""
-    import socket
+    from weightbus.comm import free_port as port_free_now
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return port_free_now()

@@ -2,7 +2,6 @@
 elastic membership, and replicas that die or hang mid-update."""
 
 import os
-import socket
 import sys
 import time
 
@@ -15,14 +14,9 @@ from mgr_workers import FailingRollout  # noqa: E402
 from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus import WeightbusError, WeightSyncError  # noqa: E402
+from weightbus.comm import free_port  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hybrid_mode_local():
@@ -84,7 +78,7 @@ def test_ray_replica_death_is_named(ray_cluster):
 
 
 def test_elastic_add_remove_and_failures_local():
-    trainer = LocalWorkerGroup(Trainer, 2, _port(), name="trainer")
+    trainer = LocalWorkerGroup(Trainer, 2, free_port(), name="trainer")
     r0 = LocalWorkerGroup(Rollout, 1, name="r0")
     r1 = LocalWorkerGroup(Rollout, 2, name="r1")  # a replica of two ranks
     groups = [trainer, r0, r1]

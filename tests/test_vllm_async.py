@@ -14,6 +14,7 @@ vllm = pytest.importorskip("vllm")
 from test_vllm_native import PROMPTS, make_model  # noqa: E402
 from vllm_workers import NativeTrainer  # noqa: E402
 
+from weightbus.comm import free_port  # noqa: E402
 from weightbus.integrations.vllm import AsyncLLMRollout, RolloutClient, sync_weights  # noqa: E402
 
 T = 60
@@ -80,11 +81,7 @@ def generate(engine, loop, prompt, n):
 @pytest.fixture(scope="module")
 def trainer(served, tmp_path_factory):
     path, engine, loop = served
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tr = NativeTrainer(0, 1, path, port, 1)
+    tr = NativeTrainer(0, 1, path, free_port(), 1)
     client = RolloutClient([AsyncLLMRollout(engine, loop, timeout=T)])
     tr.connect(client)
     yield tr, client

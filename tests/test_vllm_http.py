@@ -4,7 +4,6 @@ is not installed."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,18 @@ from test_vllm_native import PROMPTS, make_model  # noqa: E402
 from vllm_workers import NativeTrainer  # noqa: E402
 
 from weightbus import WeightSyncError  # noqa: E402
+from weightbus.comm import free_port  # noqa: E402
 from weightbus.integrations.vllm import HTTPRollout, RolloutClient, sync_weights  # noqa: E402
 from weightbus.integrations.vllm.loader import KEPT  # noqa: E402
 
 T = 60
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-qwen2-http"))
     make_model(path, tied=True)
-    port = _port()
+    port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = open(tmp_path_factory.mktemp("logs") / "serve.log", "w")
     proc = subprocess.Popen(
@@ -76,7 +70,7 @@ def test_http_server_updates(server):
     path, url = server
     rollout = HTTPRollout(url, timeout=T)
     client = RolloutClient([rollout])
-    tr = NativeTrainer(0, 1, path, _port(), 1)
+    tr = NativeTrainer(0, 1, path, free_port(), 1)
     tr.connect(client)
     try:
         previous = [complete(url, path, p) for p in PROMPTS]

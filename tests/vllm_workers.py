@@ -3,6 +3,7 @@
 import torch
 
 from weightbus import ModuleSource
+from weightbus.integrations.vllm.demo import greedy_tokens, lm_train_step
 from weightbus.worker import WeightbusWorker
 
 
@@ -15,27 +16,11 @@ class HFTrainer(WeightbusWorker):
         self.extra = None
 
     def train_step(self, step):
-        g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, self.model.config.vocab_size, (4, 24), generator=g)
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
+        return lm_train_step(self.model, self.opt, seed=step, seq_len=24)
 
     def greedy(self, prompts, n):
         """What a transformers model holding these weights generates, greedily."""
-        self.model.eval()
-        out = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                for _ in range(n):
-                    nxt = self.model(input_ids=ids).logits[0, -1].argmax()
-                    ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-                out.append(ids[0, len(p):].tolist())
-        self.model.train()
-        return out
+        return greedy_tokens(self.model, prompts, n)
 
     def add_bogus(self, on):
         self.extra = {"model.bogus.weight": torch.ones(4, 4)} if on else None
@@ -95,10 +80,10 @@ class NativeTrainer:
         return self.engine.send_weights(version).bytes
 
     def train_step(self, step):
-        return HFTrainer.train_step(self, step)
+        return lm_train_step(self.model, self.opt, seed=step, seq_len=24)
 
     def greedy(self, prompts, n):
-        return HFTrainer.greedy(self, prompts, n)
+        return greedy_tokens(self.model, prompts, n)
 
     def shutdown(self):
         if self.engine is not None:

@@ -28,8 +28,13 @@ def _demo(args: argparse.Namespace) -> int:
     if rows and rows[0].get("floor_gbps"):
         print("floor: a raw broadcast of the same buckets over the same groups, best of 3, same run;\n"
               "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'")
-    if args.json:
-        with open(args.json, "w") as f:
+    return _verified(rows, args.json)
+
+
+def _verified(rows: list[dict], json_path: str | None) -> int:
+    """Write the rows if asked; the exit code: 0 when every update was verified."""
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return 0 if all(r["verified"] for r in rows) else 1
 
@@ -54,10 +59,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
               f"{'vLLM == transformers' if r['verified'] else 'MISMATCH'}")
     print("seconds: pause (keep) -> transfer into vLLM's load_weights -> finish -> resume;\n"
           "check: vLLM's greedy tokens equal the trainers' transformers model, and changed")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if all(r["verified"] for r in rows) else 1
+    return _verified(rows, args.json)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -34,6 +34,14 @@ def local_address() -> str:
         return "127.0.0.1"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now, for a server started later (not held: where the
+    server can bind port 0 itself, prefer that, as :func:`serve_store` does)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def serve_store(timeout: float) -> dist.TCPStore:
     """A store server on a free port of this host (the port is held, so no race)."""
     return dist.TCPStore("0.0.0.0", 0, None, True, timeout=as_timedelta(timeout),

@@ -12,12 +12,12 @@ so the two implementations agree token for token.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from typing import Any
 
 import torch
 
+from weightbus.comm import free_port
 from weightbus.sources import ModuleSource
 from weightbus.worker import WeightbusWorker
 
@@ -31,6 +31,34 @@ def make_qwen2(path: str, *, hidden: int = 256, layers: int = 4, vocab: int = 40
                       head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def lm_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int,
+                  seq_len: int = 32) -> float:
+    """One optimizer step of a transformers causal LM on random tokens (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (4, seq_len), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def greedy_tokens(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """What a transformers causal LM generates greedily (a collective for FSDP models:
+    every rank runs it)."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(n):
+                nxt = model(input_ids=ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+    model.train()
+    return out
 
 
 class FSDPTrainer(WeightbusWorker):
@@ -52,34 +80,13 @@ class FSDPTrainer(WeightbusWorker):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
     def train_step(self, step: int) -> float:
-        g = torch.Generator().manual_seed(100 * step + self.rank)
-        ids = torch.randint(0, self.model.config.vocab_size, (4, 32), generator=g)
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
+        return lm_train_step(self.model, self.opt, seed=100 * step + self.rank)
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        """Greedy tokens of the trainers' model (a collective: every rank runs it)."""
-        out = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                for _ in range(n):
-                    nxt = self.model(input_ids=ids).logits[0, -1].argmax()
-                    ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-                out.append(ids[0, len(p):].tolist())
-        return out
+        return greedy_tokens(self.model, prompts, n)
 
     def weights_source(self) -> ModuleSource:
         return ModuleSource(self.model)  # each shard is gathered only to the rank that packs it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_vllm_demo(trainers: int = 2, steps: int = 3, backend: str = "gloo", hidden: int = 256,
@@ -104,7 +111,7 @@ def run_vllm_demo(trainers: int = 2, steps: int = 3, backend: str = "gloo", hidd
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    group = LocalWorkerGroup(FSDPTrainer, trainers, path, _free_port(), name="trainer")
+    group = LocalWorkerGroup(FSDPTrainer, trainers, path, free_port(), name="trainer")
     replica = VLLMEngineReplica(OfflineLLMRollout(llm), name="vllm0")
     mgr = CheckpointEngineManager(backend, group, [replica], timeout=timeout, pause_mode="keep")
     rows = []
