@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import json
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -262,12 +263,13 @@ class HTTPRollout(Rollout):
 class RolloutClient:
     """Several rollouts as the one client a ``TrainerWeightTransferEngine`` drives. Calls
     go to every rollout at once; each rollout's workers get ranks after the previous
-    rollouts' (``rank_offset``)."""
+    rollouts' (``rank_offset``). ``timeout``: every call's deadline, seconds (an update
+    call lasts as long as the transfer: raise it for models that take longer)."""
 
-    def __init__(self, rollouts: Sequence[Rollout]):
+    def __init__(self, rollouts: Sequence[Rollout], *, timeout: float = DEFAULT_TIMEOUT):
         if not rollouts:
             raise WeightbusError("RolloutClient needs at least one rollout")
-        self.rollouts = list(rollouts)
+        self.rollouts, self.timeout = list(rollouts), float(timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.rollouts),
                                                            thread_name_prefix="wb-rollouts")
 
@@ -275,42 +277,46 @@ class RolloutClient:
     def rollout_world_size(self) -> int:
         return sum(r.size for r in self.rollouts)
 
-    def _each(self, call: Callable[[Rollout, int], Any]) -> list[Any]:
+    def _each(self, what: str, call: Callable[[Rollout, int], Any]) -> list[Any]:
         offsets, off = [], 0
         for r in self.rollouts:
             offsets.append(off)
             off += r.size
         futs = [self._pool.submit(call, r, o) for r, o in zip(self.rollouts, offsets, strict=True)]
+        deadline = time.monotonic() + self.timeout
         errors, out = [], []
         for r, f in zip(self.rollouts, futs, strict=True):
             try:
-                out.append(f.result())
+                out.append(f.result(max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                errors.append(f"{r.name}: {what} did not answer within {self.timeout:.0f}s")
             except Exception as e:  # noqa: BLE001 - collected, every rollout is waited for
-                errors.append(f"{r.name}: {type(e).__name__}: {e}")
+                errors.append(f"{r.name}: {what}: {type(e).__name__}: {e}")
         if errors:
             raise WeightbusError("; ".join(errors))
         return out
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._each(lambda r, off: r.init_weight_transfer_engine({**init_info, "rank_offset": off}))
+        self._each("init_weight_transfer_engine",
+                   lambda r, off: r.init_weight_transfer_engine({**init_info, "rank_offset": off}))
 
     def start_weight_update(self) -> None:
-        self._each(lambda r, _: r.start_weight_update())
+        self._each("start_weight_update", lambda r, _: r.start_weight_update())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._each(lambda r, _: r.update_weights(update_info))
+        self._each("update_weights", lambda r, _: r.update_weights(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._each(lambda r, _: r.finish_weight_update(weight_version))
+        self._each("finish_weight_update", lambda r, _: r.finish_weight_update(weight_version))
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._each(lambda r, _: r.shutdown_weight_transfer_engine())
+        self._each("shutdown_weight_transfer_engine", lambda r, _: r.shutdown_weight_transfer_engine())
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        self._each(lambda r, _: r.pause(mode, clear_cache))
+        self._each(f"pause({mode})", lambda r, _: r.pause(mode, clear_cache))
 
     def resume(self) -> None:
-        self._each(lambda r, _: r.resume())
+        self._each("resume", lambda r, _: r.resume())
 
 
 def sync_weights(engine: Any, client: RolloutClient, version: int | None = None, *,
