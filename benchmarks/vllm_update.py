@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from weightbus import ModuleSource
 from weightbus.comm import free_port
 
 SIZES = {  # Qwen2 shapes; 0.5b/1.5b/3b are Qwen2.5's configs (tied embeddings)
@@ -27,6 +26,10 @@ SIZES = {  # Qwen2 shapes; 0.5b/1.5b/3b are Qwen2.5's configs (tied embeddings)
                  num_attention_heads=12, num_key_value_heads=2, head_dim=128),
     "3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                num_attention_heads=16, num_key_value_heads=2, head_dim=128),
+    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8), 4 layers: 12.7k tensors
+    "moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -39,7 +42,7 @@ def _reload_floor(worker, metas: list) -> float:
         initialize_layerwise_reload,
     )
 
-    from weightbus.integrations.vllm.loader import refresh_shared_cpu_kernels
+    from weightbus.integrations.vllm.processing import refresh_shared_cpu_kernels
     runner = worker.model_runner
     by_shape = {}
     for _, shape, dtype in metas:  # shapes arrive as lists
@@ -57,19 +60,22 @@ def _reload_floor(worker, metas: list) -> float:
     return best
 
 
-def run(size: str, updates: int) -> dict:
+def run(size: str, updates: int, self_check: int) -> dict:
     import vllm
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
+    from weightbus.integrations.hf import HFCheckpointSource
     from weightbus.integrations.vllm import OfflineLLMRollout, RolloutClient, sync_weights
     from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
 
-    path = tempfile.mkdtemp(prefix=f"qwen2-{size}-")
-    cfg = Qwen2Config(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=True)
+    path = tempfile.mkdtemp(prefix=f"bench-{size}-")
+    moe = size == "moe"
+    config, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=not moe)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)  # made and held in bf16: the largest shape fits
-    model = Qwen2ForCausalLM(cfg)
+    model = model_cls(cfg)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
@@ -78,10 +84,11 @@ def run(size: str, updates: int) -> dict:
                    max_model_len=256, max_num_seqs=4, weight_transfer_config={"backend": "weightbus"})
     start = time.perf_counter() - t0
     client = RolloutClient([OfflineLLMRollout(llm)])
-    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    source = HFCheckpointSource(model)  # checkpoint names and layouts, a tied head once
     info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=1, timeout=600,
-                                    master_address="127.0.0.1", master_port=free_port())
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(sd))
+                                    master_address="127.0.0.1", master_port=free_port(),
+                                    self_check_every=self_check)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
         t0 = time.perf_counter()
         stats = sync_weights(engine, client, 1)
@@ -96,9 +103,10 @@ def run(size: str, updates: int) -> dict:
             totals.append(time.perf_counter() - t0)
             transfers.append(stats.seconds)
         assert llm.get_weight_version() == str(updates + 1)
-        metas = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sd.items()]
+        metas = [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in source.manifest]
         floor = llm.collective_rpc(_reload_floor, args=(metas,))[0]
-        return {"size": size, "params": params, "bytes": stats.bytes, "engine_start_s": start,
+        return {"size": size, "tensors": len(source.manifest), "self_check": self_check,
+                "params": params, "bytes": stats.bytes, "engine_start_s": start,
                 "first_update_s": first, "update_s": statistics.median(totals),
                 "transfer_s": statistics.median(transfers), "floor_s": floor}
     finally:
@@ -112,15 +120,19 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--size", action="append", choices=list(SIZES))
     p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--self-check", type=int, default=0, metavar="N",
+                   help="vLLM's self-check on every N-th update, all layers (default 0: off)")
     a = p.parse_args()
-    rows = [run(s, a.updates) for s in a.size or ["tiny"]]
+    rows = [run(s, a.updates, a.self_check) for s in a.size or ["tiny"]]
     # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
     # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer);
     # floor s: vLLM's own layerwise reload of the same shapes from memory, best of 3
-    print(f"{'size':<6} {'params':>14} {'MB bf16':>8} {'vLLM start s':>12} {'1st update s':>12} "
+    print(f"{'size':<6} {'tensors':>7} {'check':>5} {'params':>14} {'MB bf16':>8}"
+          f" {'vLLM start s':>12} {'1st update s':>12} "
           f"{'update s':>9} {'transfer s':>10} {'GB/s':>6} {'floor s':>8} {'ratio':>6}")
     for r in rows:
-        print(f"{r['size']:<6} {r['params']:>14,} {r['bytes'] / 1e6:>8.1f} {r['engine_start_s']:>12.1f} "
+        print(f"{r['size']:<6} {r['tensors']:>7} {r['self_check']:>5} {r['params']:>14,} "
+              f"{r['bytes'] / 1e6:>8.1f} {r['engine_start_s']:>12.1f} "
               f"{r['first_update_s']:>12.2f} {r['update_s']:>9.3f} {r['transfer_s']:>10.3f} "
               f"{r['bytes'] / r['transfer_s'] / 1e9:>6.2f} {r['floor_s']:>8.3f} "
               f"{r['update_s'] / r['floor_s']:>5.2f}x")

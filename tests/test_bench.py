@@ -12,5 +12,24 @@ def test_bench_scenario_cpu(scenario):
     assert row["verified"]
     assert row["floor_s"] > 0 and row["weightbus_s"] > 0
     assert len(row["all_times"]["weightbus"]) == 2
-    assert (row["naive_s"] is not None) == (scenario == "disaggregated")
+    assert (row["naive_s"] is not None) == (scenario != "hybrid-fsdp")
     assert scenario in format_table([row])
+
+
+def test_bench_stress_preset_and_checks_before_running(tmp_path):
+    """A many-tensor stress preset runs and verifies; bad names fail at once, naming the
+    choices; the plot is drawn."""
+    from weightbus import presets
+    from weightbus.bench import main_bench
+
+    lines = []
+    cfg = BenchConfig(scenario="disaggregated", preset=presets.stress(2000, 64), iters=1, gpu=False,
+                      timeout=120, trainer_dtype="bf16")
+    assert main_bench([cfg], plot_path=str(tmp_path / "p.svg"), log=lines.append) == 0
+    assert any("running" in x for x in lines) and "<svg" in (tmp_path / "p.svg").read_text()
+    for bad, named in ((dict(preset="7b"), "unknown preset '7b'.*30b-a3b"),
+                       (dict(scenario="colocted"), "unknown scenario"),
+                       (dict(trainer_dtype="fp8"), "trainer_dtype"),
+                       (dict(preset="tiny", layers=0), "--layers 0")):
+        with pytest.raises(ValueError, match=named):
+            BenchConfig(**{"scenario": "disaggregated", "preset": "tiny", "gpu": False} | bad)

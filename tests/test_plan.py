@@ -68,17 +68,27 @@ def test_pack_then_unpack_roundtrips_with_cast_and_split():
     m = Manifest(TensorMeta(k, wire[k], tuple(v.shape)) for k, v in tensors.items())
     plan = BucketPlan(m, 1024, 1)
     assert len(plan) > 5
-    packer, asm = Packer(plan), Assembler(plan, torch.device("cpu"))
-    got = {}
-    for b in plan.buckets:
-        bucket = torch.full((1024,), 0xAB, dtype=torch.uint8)
-        for c in b.chunks:
-            packer.pack(bucket, c, tensors[m[c.index].name])
-        for name, t in asm.unpack(bucket, b):
-            got[name] = t.clone()
-    assert list(got) == list(tensors)
-    for k, v in tensors.items():
-        assert torch.equal(got[k], v.to(wire[k])), k
+    # the same two slots every update (views of them are made once), the second update
+    # with changed values, unpacked once into views and once into destinations
+    slots = [torch.full((1024,), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    packer = Packer(plan)
+    dest = {k: torch.zeros(v.shape, dtype=wire[k]) for k, v in tensors.items()}
+    for update, destinations in ((0, None), (1, dest)):
+        if update:
+            tensors = {k: (v * 2 if v.is_floating_point() else v + 1) if v.dtype != torch.bool else ~v
+                       for k, v in tensors.items()}
+        asm = Assembler(plan, torch.device("cpu"), destinations)
+        got = {}
+        for b in plan.buckets:
+            slot = slots[b.index % 2]
+            packer.pack_bucket(slot, b, [tensors[m[c.index].name] for c in b.chunks])
+            for name, t in asm.unpack(slot, b):
+                got[name] = t.clone()
+                if destinations is not None:
+                    assert t is dest[name]
+        assert list(got) == list(tensors)
+        for k, v in tensors.items():
+            assert torch.equal(got[k], v.to(wire[k])), (update, k)
 
 
 def test_unknown_backend_lists_registered_ones():

@@ -40,7 +40,7 @@ class NativeTrainer:
     sends its own share of the buckets). Rank 0 runs in the test process next to vLLM."""
 
     def __init__(self, rank, world, path, port, rollout_world_size, transport="gloo", *,
-                 trainer_rank=None, trainer_world=None, bucket_size=None):
+                 trainer_rank=None, trainer_world=None, bucket_size=None, **info):
         from transformers import AutoModelForCausalLM
 
         from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
@@ -52,7 +52,8 @@ class NativeTrainer:
         world = world if trainer_world is None else trainer_world
         self.info = WeightbusTrainerInitInfo(rank=rank, world_size=world, master_address="127.0.0.1",
                                              master_port=port, rollout_world_size=rollout_world_size,
-                                             transport=transport, timeout=60, bucket_size=bucket_size)
+                                             transport=transport, timeout=60, bucket_size=bucket_size,
+                                             **info)
         self.engine = None
 
     def connect(self, client=None):
@@ -61,12 +62,13 @@ class NativeTrainer:
                                                                 source=self.source())
 
     def source(self, change=None):
-        """The state dict vLLM loads; ``change`` maps names to replacement tensors (None
-        removes one)."""
-        sd = dict(self.model.state_dict())
-        if self.model.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        for k, v in (change or {}).items():
+        """The weights vLLM loads (checkpoint names and layouts, a tied head once);
+        ``change`` maps names to replacement tensors (None removes one)."""
+        from weightbus.integrations.hf import HFCheckpointSource, checkpoint_state_dict
+        if not change:
+            return HFCheckpointSource(self.model)  # converted anew at every update
+        sd = checkpoint_state_dict(self.model)
+        for k, v in change.items():
             if v is None:
                 sd.pop(k)
             else:
@@ -84,6 +86,9 @@ class NativeTrainer:
 
     def greedy(self, prompts, n):
         return greedy_tokens(self.model, prompts, n)
+
+    def save(self, path):
+        self.model.save_pretrained(path)
 
     def shutdown(self):
         if self.engine is not None:
@@ -128,3 +133,38 @@ def expected_vllm_digests(state_dict):
     for name, t in sd.items():
         out[name] = digest(t)
     return out
+
+
+# ------------------------------------------------------------------ model families
+
+def family_config(family):
+    """A tiny transformers config of each model family the field trains (head_dim 64,
+    which vLLM's CPU attention supports; GQA everywhere)."""
+    import transformers as tf
+    common = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if family == "qwen3":  # dense, GQA 4:1, untied head
+        return tf.Qwen3Config(**common | {"num_key_value_heads": 1}, intermediate_size=256, head_dim=64,
+                              tie_word_embeddings=False)
+    if family == "llama-tied":  # tied embeddings
+        return tf.LlamaConfig(**common, intermediate_size=256, head_dim=64, tie_word_embeddings=True)
+    if family == "qwen3-moe":  # 8 experts, top-2, every layer sparse
+        return tf.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=64, head_dim=64,
+                                 num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                                 mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "mixtral":  # the other MoE layout: block_sparse_moe.experts.N.w1/w2/w3
+        return tf.MixtralConfig(**common, intermediate_size=96, head_dim=64, num_local_experts=4,
+                                num_experts_per_tok=2, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def make_family_model(path, family):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(family_config(family)).to(torch.float32).save_pretrained(path)
+
+
+def set_rebuild(worker, on):
+    """Runs in a vLLM worker: switch the rebuild of the MoE experts' packing (tests only)."""
+    from weightbus.integrations.vllm import processing
+    processing.REBUILD_SKIPPED_HOOKS = on

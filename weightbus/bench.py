@@ -14,9 +14,12 @@ memory on the CPU):
 - ``*-direct``: the colocated engine in direct mode: the rollout's tensors are exported
   once and the trainer writes straight into them (GPU only).
 
-Trainer weights are fp32 and delivered as bf16; they change between iterations; after
-the timed iterations every rollout tensor is checked against the trainer's (checksums
-of the exact bits). Times are medians over iterations, each the slowest rank's.
+Every floor is physical: one bulk operation on the same bytes (a cast-copy per large
+chunk, a broadcast per bucket, an all-gather per chunk); the per-tensor loop is the
+``naive`` column, a baseline, not a floor. Trainer weights are fp32 (``trainer_dtype``)
+and delivered as bf16; they change between iterations; after the timed iterations every
+rollout tensor is checked against the trainer's (checksums of the exact bits). Times are
+medians over iterations, each the slowest rank's.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ from weightbus.sources import ModuleSource
 
 SCENARIOS = ("colocated", "colocated-direct", "disaggregated", "hybrid-fsdp", "hybrid-fsdp-direct")
 WIRE = torch.bfloat16
+TRAINER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: elements per bulk operation of the floors ("one cast or copy per large chunk")
+FLOOR_CHUNK = 1 << 28
+#: the per-tensor baseline is left out above this many tensors (stress presets)
+NAIVE_MAX_TENSORS = 20_000
 
 
 @dataclass
@@ -51,6 +59,22 @@ class BenchConfig:
     bucket_mb: int | None = None  # None: the engine sizes buckets from free memory
     gpu: bool = field(default_factory=torch.cuda.is_available)
     timeout: float = 300.0
+    trainer_dtype: str = "fp32"  # the trainer's weights: fp32 (cast on the way) or bf16
+    layers: int | None = None  # only the first N decoder layers of the preset
+
+    def __post_init__(self) -> None:
+        presets.check(self.preset, self.layers)
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
+        if self.trainer_dtype not in TRAINER_DTYPES:
+            raise ValueError(f"trainer_dtype must be one of {', '.join(TRAINER_DTYPES)}, "
+                             f"got {self.trainer_dtype!r}")
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return presets.shapes(self.preset, self.layers)
+
+    def label(self) -> str:
+        return self.preset + (f"/{self.layers}L" if self.layers else "")
 
 
 # ------------------------------------------------------------------ helpers
@@ -67,12 +91,36 @@ def _sync(device: torch.device) -> None:
 
 def _trainer_weights(cfg: BenchConfig, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(0)
-    return {n: torch.randn(s, dtype=torch.float32, device=device, generator=g)
-            for n, s in presets.shapes(cfg.preset)}
+    dtype = TRAINER_DTYPES[cfg.trainer_dtype]
+    return {n: torch.randn(s, dtype=dtype, device=device, generator=g) for n, s in cfg.shapes()}
 
 
 def _rollout_weights(cfg: BenchConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(s, dtype=WIRE, device=device) for n, s in presets.shapes(cfg.preset)}
+    return {n: torch.zeros(s, dtype=WIRE, device=device) for n, s in cfg.shapes()}
+
+
+def _bulk_cast_copy(cfg: BenchConfig, device: torch.device) -> Any:
+    """The colocated floor: the same number of elements cast-copied from the trainer's
+    dtype into bf16 in a few bulk operations (one per ``FLOOR_CHUNK`` elements)."""
+    total = sum(_numel(s) for _, s in cfg.shapes())
+    n = min(total, FLOOR_CHUNK)
+    src = torch.empty(n, dtype=TRAINER_DTYPES[cfg.trainer_dtype], device=device)
+    dst = torch.empty(n, dtype=WIRE, device=device)
+
+    def floor() -> None:
+        done = 0
+        while done < total:
+            k = min(n, total - done)
+            dst[:k].copy_(src[:k])
+            done += k
+    return floor
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
 
 
 def _mutate(weights: dict[str, torch.Tensor]) -> None:
@@ -138,6 +186,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
     """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
     rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
     transient device memory of the weightbus calls at their peak."""
+    if naive is not None and len(cfg.shapes()) > NAIVE_MAX_TENSORS:
+        naive = None  # a collective per tensor would take minutes per round
     times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {})
     peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
@@ -228,7 +278,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
 
 def _manifest_of(cfg: BenchConfig) -> Any:
     from weightbus.plan import Manifest, TensorMeta
-    return Manifest(TensorMeta(n, WIRE, s) for n, s in presets.shapes(cfg.preset))
+    return Manifest(TensorMeta(n, WIRE, s) for n, s in cfg.shapes())
 
 
 def _colocated_engine(cfg: BenchConfig, device: torch.device, trainer: bool,
@@ -252,19 +302,22 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     connect(engine, rdv, 1, 1)
     source = ModuleSource(weights, dtype=WIRE) if trainer else None
     biggest = max(t.numel() for t in weights.values())
-    scratch = [torch.empty(biggest, dtype=WIRE, device=device) for _ in range(2)] if trainer else []
+    scratch = torch.empty(biggest, dtype=WIRE, device=device) if trainer else None
+    bulk = _bulk_cast_copy(cfg, device) if trainer else None
 
-    def floor() -> None:  # the cast plus one device copy of the bf16 bytes
+    def floor() -> None:  # one bulk cast-copy of the same elements
+        if bulk is not None:
+            bulk()
+
+    def naive() -> None:  # a cast-copy per tensor
         if trainer:
             for t in weights.values():
-                n = t.numel()
-                scratch[0][:n].copy_(t.view(-1))
-                scratch[1][:n].copy_(scratch[0][:n])
+                scratch[: t.numel()].copy_(t.view(-1))  # type: ignore[index]
 
     weightbus = _update_fn(engine, source, weights)
 
     times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
-                           floor, weightbus)
+                           floor, weightbus, naive)
     result = {"times": times, "checksums": _checksums(weights),
               "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -292,7 +345,7 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
     connect(engine, rdv, T, T)
     source = ModuleSource(model, dtype=WIRE) if trainer else None
     chunk = (engine.bucket_size // 2 // T) * T  # bytes per all-gather, like a bucket's worth
-    total = presets.nbytes(cfg.preset, 2)
+    total = presets.nbytes(cfg.preset, 2, cfg.layers)
     ag_in = torch.empty(chunk // T, dtype=torch.uint8, device=device) if trainer else None
     ag_out = torch.empty(chunk, dtype=torch.uint8, device=device) if trainer else None
 
@@ -329,11 +382,12 @@ def fits(cfg: BenchConfig) -> str | None:
     """Why the scenario cannot fit the devices' memory (None if it fits)."""
     if not cfg.gpu:
         return None
-    params = presets.nbytes(cfg.preset, 1)  # parameter count
-    biggest = max(s[0] * (s[1] if len(s) > 1 else 1) for _, s in presets.shapes(cfg.preset)) * 2
-    slack = 4 * 2**30 + 4 * biggest  # buckets, floor buffers, a cast tensor, allocator
-    need = {"disaggregated": 4 * params, "colocated": 6 * params,
-            "hybrid-fsdp": 4 * params + 2 * params}[cfg.scenario.removesuffix("-direct")] + slack
+    params = presets.nbytes(cfg.preset, 1, cfg.layers)  # parameter count
+    item = TRAINER_DTYPES[cfg.trainer_dtype].itemsize
+    biggest = max(_numel(s) for _, s in cfg.shapes()) * 2
+    slack = 4 * 2**30 + 4 * biggest + FLOOR_CHUNK * (item + 2)  # buckets, floor buffers, allocator
+    need = {"disaggregated": item * params, "colocated": (item + 2) * params,
+            "hybrid-fsdp": item * params + 2 * params}[cfg.scenario.removesuffix("-direct")] + slack
     free = torch.cuda.mem_get_info(0)[0]
     if need > free:
         return f"needs ~{need / 2**30:.0f} GiB on one GPU, {free / 2**30:.0f} GiB free"
@@ -359,12 +413,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         trainer, rollouts = res[0], res[2:]
     else:
         raise ValueError(f"unknown scenario {cfg.scenario!r}; choose from {', '.join(SCENARIOS)}")
-    nbytes = presets.nbytes(cfg.preset, 2)
+    nbytes = presets.nbytes(cfg.preset, 2, cfg.layers)
     med = {k: statistics.median(v) for k, v in trainer["times"].items() if v}
     verified = all(r["checksums"] == trainer["checksums"] for r in rollouts)
     row: dict[str, Any] = {
-        "scenario": cfg.scenario, "preset": cfg.preset, "device": _device_name(cfg),
-        "tensors": len(presets.shapes(cfg.preset)), "bytes": nbytes,
+        "scenario": cfg.scenario, "preset": cfg.label(), "device": _device_name(cfg),
+        "trainer_dtype": cfg.trainer_dtype, "tensors": len(cfg.shapes()), "bytes": nbytes,
         "bucket_bytes": trainer["engine_buffers"] // 2, "iters": cfg.iters,
         "floor_s": med["floor"], "weightbus_s": med["weightbus"], "naive_s": med.get("naive"),
         "ratio": med["weightbus"] / med["floor"],
@@ -384,45 +438,88 @@ def _device_name(cfg: BenchConfig) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'scenario':<14} {'preset':<11} {'GB':>6} {'floor ms':>9} {'naive ms':>9} {'wb ms':>9} "
-            f"{'wb GB/s':>8} {'ratio':>6} {'naive':>6} {'+mem trn':>9} {'+mem roll':>9}  check")
+    head = (f"{'scenario':<18} {'preset':<14} {'trn':>4} {'tensors':>7} {'GB':>6} {'floor ms':>9} "
+            f"{'naive ms':>9} {'wb ms':>9} {'wb GB/s':>8} {'ratio':>6} {'naive':>6} {'+mem trn':>9} "
+            f"{'+mem roll':>9}  check")
     lines = [head]
     for r in rows:
         naive = f"{r['naive_s'] * 1e3:9.1f}" if r.get("naive_s") else f"{'-':>9}"
         nratio = f"{r['naive_ratio']:.2f}x" if r.get("naive_ratio") else "-"
         lines.append(
-            f"{r['scenario']:<14} {r['preset']:<11} {r['bytes'] / 1e9:6.2f} {r['floor_s'] * 1e3:9.1f} "
+            f"{r['scenario']:<18} {r['preset']:<14} {r.get('trainer_dtype', 'fp32'):>4} "
+            f"{r.get('tensors', 0):>7} {r['bytes'] / 1e9:6.2f} {r['floor_s'] * 1e3:9.1f} "
             f"{naive} {r['weightbus_s'] * 1e3:9.1f} {r['weightbus_gbps']:8.1f} {r['ratio']:5.2f}x "
             f"{nratio:>6} {r['peak_extra_trainer'] / 2**30:8.2f}G {r['peak_extra_rollout'] / 2**30:8.2f}G  "
             f"{'OK' if r['verified'] else 'MISMATCH'}")
     return "\n".join(lines)
 
 
-def main_bench(scenarios: list[str], presets_: list[str], iters: int, bucket_mb: int | None,
-               json_path: str | None) -> int:
-    rows = []
-    for p in presets_:
-        for s in scenarios:
-            cfg = BenchConfig(scenario=s, preset=p, iters=iters, bucket_mb=bucket_mb)
-            why = fits(cfg)
-            if why:
-                print(f"{s} {p}: skipped: {why}", flush=True)
-                continue
-            try:
-                row = run_bench(cfg)
-            except Exception as e:  # noqa: BLE001 - one scenario failing must not hide the others
-                print(f"{s} {p}: FAILED: {str(e)[-2000:]}", flush=True)
-                continue
-            rows.append(row)
-            print(format_table([row]).splitlines()[-1], flush=True)
-            if json_path:
-                with open(json_path, "w") as f:
-                    json.dump(rows, f, indent=1, default=str)
-    print()
-    print(format_table(rows))
-    print("floor: colocated = cast + one device copy; disaggregated = raw broadcast of the same "
-          "bucket bytes; hybrid-fsdp = all-gather of the same bytes; ratio = weightbus / floor")
-    return 0 if rows and all(r["verified"] for r in rows) else 1
+FLOORS = ("floor: colocated = one bulk cast-copy of the same elements (per 2^28); disaggregated = "
+          "a raw broadcast of the same bucket bytes; hybrid-fsdp = an all-gather of the same bytes; "
+          "naive = per tensor; ratio = weightbus / floor")
 
 
-__all__ = ["BenchConfig", "SCENARIOS", "format_table", "main_bench", "run_bench"]
+def main_bench(configs: list[BenchConfig], json_path: str | None = None, plot_path: str | None = None,
+               log: Any = print) -> int:
+    """Runs every configuration (each already checked), printing a progress line before
+    and a row after each; returns 0 when every row ran and was verified."""
+    rows, failed = [], 0
+    for i, cfg in enumerate(configs, 1):
+        what = f"[{i}/{len(configs)}] {cfg.scenario} {cfg.label()} ({cfg.trainer_dtype} trainer)"
+        why = fits(cfg)
+        if why:
+            log(f"{what}: skipped: {why}")
+            failed += 1
+            continue
+        log(f"{what}: running {cfg.iters} timed iterations ...")
+        t0 = time.perf_counter()
+        try:
+            row = run_bench(cfg)
+        except Exception as e:  # noqa: BLE001 - one scenario failing must not hide the others
+            log(f"{what}: FAILED after {time.perf_counter() - t0:.0f} s: {str(e)[-2000:]}")
+            failed += 1
+            continue
+        rows.append(row)
+        log(f"{what}: done in {time.perf_counter() - t0:.0f} s")
+        log(format_table([row]).splitlines()[-1])
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(rows, f, indent=1, default=str)
+    log("")
+    log(format_table(rows))
+    log(FLOORS)
+    if plot_path and rows:
+        with open(plot_path, "w") as f:
+            f.write(plot_svg(rows))
+        log(f"plot: {plot_path}")
+    return 0 if rows and not failed and all(r["verified"] for r in rows) else 1
+
+
+def plot_svg(rows: list[dict[str, Any]]) -> str:
+    """A bar chart (SVG, no plotting library needed): per row, the floor, the naive
+    baseline and weightbus in milliseconds, with weightbus's ratio to the floor."""
+    bar, gap, left, width = 14, 18, 260, 560
+    top = max(max(r["floor_s"], r["weightbus_s"], r.get("naive_s") or 0) for r in rows)
+    height = 40 + len(rows) * (3 * bar + gap)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 140}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           '<text x="10" y="20" font-weight="bold">weightbus vs its floor (ms, lower is better)</text>']
+    colors = {"floor": "#999999", "naive": "#e0a040", "weightbus": "#3070c0"}
+    y = 35
+    for r in rows:
+        out.append(f'<text x="10" y="{y + 1.6 * bar}">{r["scenario"]} {r["preset"]} '
+                   f'({r.get("trainer_dtype", "fp32")}): {r["ratio"]:.2f}x</text>')
+        for key in ("floor", "naive", "weightbus"):
+            v = r.get(f"{key}_s")
+            if v:
+                w = max(1.0, width * v / top)
+                out.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar - 2}" '
+                           f'fill="{colors[key]}"/>')
+                out.append(f'<text x="{left + w + 4:.1f}" y="{y + bar - 4}">{key} {v * 1e3:.1f}</text>')
+            y += bar
+        y += gap
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+__all__ = ["BenchConfig", "SCENARIOS", "format_table", "main_bench", "plot_svg", "run_bench"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
 import torch
@@ -143,47 +143,142 @@ def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
 def check_castable(meta: TensorMeta, t: torch.Tensor) -> None:
     """The stream may hand a tensor in a different floating dtype than it travels in
     (the source's dtype policy, e.g. fp32 master -> bf16); anything else is an error."""
-    if tuple(t.shape) != meta.shape:
+    if t.shape != meta.shape:
         raise PlanError(f"tensor {meta.name!r}: the stream gives shape {list(t.shape)}, "
                         f"the manifest says {list(meta.shape)}")
-    if t.dtype != meta.dtype and not (t.is_floating_point() and meta.dtype.is_floating_point):
+    if t.dtype is not meta.dtype and not (t.is_floating_point() and meta.dtype.is_floating_point):
         raise PlanError(f"tensor {meta.name!r}: cannot cast {t.dtype} to the wire dtype "
                         f"{meta.dtype} (only floating-point tensors are cast)")
 
 
+def chunk_view(slot: torch.Tensor, c: Chunk, meta: TensorMeta) -> torch.Tensor | None:
+    """Chunk ``c``'s bytes in ``slot``, typed: shaped like the tensor when the chunk is the
+    whole tensor, flat when it is a piece of a split one; None when it has no bytes."""
+    if c.nbytes == 0:
+        return None
+    raw = slot[c.dst_offset:c.dst_offset + c.nbytes].view(meta.dtype)
+    return raw.view(meta.shape) if c.nbytes == meta.nbytes else raw
+
+
+def copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+               names: Callable[[int], str] | None = None) -> None:
+    """``dst.copy_(src)`` for every pair in one multi-tensor call (the cast included). If it
+    fails, the pairs are copied one by one so the error names the tensor (``names(i)``)."""
+    if not dsts:
+        return
+    try:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    except Exception:  # noqa: BLE001 - find the tensor at fault
+        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+            try:
+                d.copy_(s, non_blocking=True)
+            except Exception as e:
+                raise PlanError(f"tensor {names(i) if names else i}: {e}") from e
+        raise
+
+
+class _PackProgram:
+    """What packing one bucket into one slot takes, worked out once: the views of its
+    whole tensors (and which stream position each takes), and the pieces of split ones."""
+
+    def __init__(self, plan: BucketPlan, slot: torch.Tensor, b: Bucket):
+        metas = plan.manifest.metas
+        self.whole_pos: list[int] = []
+        self.whole_dsts: list[torch.Tensor] = []
+        self.pieces: list[tuple[int, torch.Tensor, int, int]] = []  # (position, view, first, count)
+        for pos, c in enumerate(b.chunks):
+            m = metas[c.index]
+            view = chunk_view(slot, c, m)
+            if view is None:
+                continue
+            if c.nbytes == m.nbytes:
+                self.whole_pos.append(pos)
+                self.whole_dsts.append(view)
+            else:
+                self.pieces.append((pos, view, c.src_offset // m.itemsize, c.nbytes // m.itemsize))
+
+
 class Packer:
-    """Copies chunks of stream tensors into a bucket, casting inside the copy."""
+    """Copies the chunks of one bucket into its slot, casting inside the copy: one
+    multi-tensor call per bucket, over views worked out once per plan and slot."""
 
     def __init__(self, plan: BucketPlan):
         self.plan = plan
-        self._flat_for: int | None = None
-        self._flat: torch.Tensor | None = None
+        self._programs: dict[tuple[int, int], _PackProgram] = {}
+        self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # split source
 
-    def pack(self, bucket: torch.Tensor, chunk: Chunk, src: torch.Tensor) -> None:
-        meta = self.plan.manifest[chunk.index]
-        if chunk.nbytes == 0:
-            return
-        dst = bucket[chunk.dst_offset:chunk.dst_offset + chunk.nbytes].view(meta.dtype)
-        if chunk.nbytes == meta.nbytes:
-            # whole tensor: one strided copy handles non-contiguous sources and the cast
-            dst.view(meta.shape).copy_(src, non_blocking=True)
-            return
-        if self._flat_for != chunk.index:
-            self._flat_for, self._flat = chunk.index, src.reshape(-1)
-        item = meta.itemsize
-        lo = chunk.src_offset // item
-        dst.copy_(self._flat[lo:lo + chunk.nbytes // item], non_blocking=True)  # type: ignore[index]
+    def pack_bucket(self, slot: torch.Tensor, b: Bucket, tensors: list[torch.Tensor | None]) -> None:
+        """``tensors[i]`` is the stream's tensor for chunk ``i`` of ``b`` (None: no data,
+        left out)."""
+        key = (slot.data_ptr(), b.index)
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = _PackProgram(self.plan, slot, b)
+        srcs = [tensors[p] for p in prog.whole_pos]
+        dsts, where = prog.whole_dsts, prog.whole_pos
+        if any(t is None for t in srcs):
+            keep = [i for i, t in enumerate(srcs) if t is not None]
+            dsts, srcs, where = [dsts[i] for i in keep], [srcs[i] for i in keep], [where[i] for i in keep]
+        if prog.pieces:
+            dsts, where = list(dsts), list(where)
+            for pos, view, first, count in prog.pieces:
+                t = tensors[pos]
+                if t is not None:
+                    if self._flat[0] is not t:  # a split tensor spans buckets: flatten it once
+                        self._flat = (t, t.reshape(-1))
+                    dsts.append(view)
+                    srcs.append(self._flat[1][first:first + count])  # type: ignore[index]
+                    where.append(pos)
+        metas = self.plan.manifest.metas
+        copy_group(dsts, srcs, lambda i: metas[b.chunks[where[i]].index].describe())
 
     def done_with(self, index: int) -> None:
-        if self._flat_for == index:
-            self._flat_for, self._flat = None, None
+        """The stream moved past tensor ``index``: drop a flattened copy of it."""
+        self._flat = (None, None)
+
+
+class _UnpackProgram:
+    """What unpacking one bucket from one slot takes, worked out once: the copies into
+    destinations (fixed pairs of views), and what to yield, in chunk order: a view or a
+    destination (fixed), or a piece of a split tensor to reassemble (``None``, with its
+    chunk)."""
+
+    def __init__(self, plan: BucketPlan, slot: torch.Tensor, b: Bucket,
+                 into: dict[int, torch.Tensor], into_bytes: dict[int, torch.Tensor], device: torch.device):
+        metas = plan.manifest.metas
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+        self.items: list[tuple[str, torch.Tensor] | None] = []
+        self.pieces: list[tuple[Chunk, torch.Tensor]] = []
+        for c in b.chunks:
+            m = metas[c.index]
+            view = chunk_view(slot, c, m)
+            last = c.src_offset + c.nbytes == m.nbytes
+            if c.index in into:
+                if view is not None:
+                    self.dsts.append(into_bytes[c.index][c.src_offset:c.src_offset + c.nbytes])
+                    self.srcs.append(view.view(-1).view(torch.uint8))
+                if last:
+                    self.items.append((m.name, into[c.index]))
+            elif view is None:  # no bytes
+                self.items.append((m.name, torch.empty(m.shape, dtype=m.dtype, device=device)))
+            elif c.nbytes == m.nbytes:
+                self.items.append((m.name, view))
+            else:
+                self.pieces.append((c, view.view(torch.uint8)))
+                if last:
+                    self.items.append(None)
+        self.static = not self.pieces
 
 
 class Assembler:
     """Turns received buckets back into ``(name, tensor)``.
 
     A tensor that lies whole in one bucket is yielded as a view of the bucket (valid
-    until the bucket is reused); a split tensor is reassembled into a fresh tensor.
+    until the bucket is reused); a split tensor is reassembled into a fresh tensor. With
+    destinations, every chunk is copied straight into its tensor, one multi-tensor copy
+    per bucket, and the destination itself is yielded. What a bucket takes is worked out
+    once per plan and slot.
     """
 
     def __init__(self, plan: BucketPlan, device: torch.device,
@@ -191,39 +286,42 @@ class Assembler:
         self.plan = plan
         self.device = device
         self._pending: dict[int, torch.Tensor] = {}
+        self._programs: dict[tuple[int, int], _UnpackProgram] = {}
         # tensors to write straight into: same dtype and shape, contiguous, this device
         self._into: dict[int, torch.Tensor] = {}
+        self._into_bytes: dict[int, torch.Tensor] = {}
         for i, m in enumerate(plan.manifest):
             d = (destinations or {}).get(m.name)
             if d is not None and d.dtype == m.dtype and tuple(d.shape) == m.shape \
                     and d.is_contiguous() and d.device == device:
                 self._into[i] = d
+                self._into_bytes[i] = d.detach().view(-1).view(torch.uint8)
 
     def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-        metas = self.plan.manifest
-        for c in b.chunks:
+        key = (bucket.data_ptr(), b.index)
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = _UnpackProgram(self.plan, bucket, b, self._into,
+                                                        self._into_bytes, self.device)
+        if prog.static:
+            copy_group(prog.dsts, prog.srcs)
+            yield from prog.items  # type: ignore[misc]
+            return
+        metas = self.plan.manifest.metas
+        dsts, srcs, done = list(prog.dsts), list(prog.srcs), []
+        for c, raw in prog.pieces:
             m = metas[c.index]
-            if m.nbytes == 0:
-                yield m.name, torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                continue
-            src = bucket[c.dst_offset:c.dst_offset + c.nbytes]
-            into = self._into.get(c.index)
-            if into is not None:
-                into.detach().view(-1).view(torch.uint8)[c.src_offset:c.src_offset + c.nbytes].copy_(
-                    src, non_blocking=True)
-                if c.src_offset + c.nbytes == m.nbytes:
-                    yield m.name, into
-                continue
-            if c.nbytes == m.nbytes:
-                yield m.name, src.view(m.dtype).view(m.shape)
-                continue
             dst = self._pending.get(c.index)
             if dst is None:
                 dst = self._pending[c.index] = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            dst.view(-1).view(torch.uint8)[c.src_offset:c.src_offset + c.nbytes].copy_(
-                src, non_blocking=True)
+            dsts.append(dst.view(-1).view(torch.uint8)[c.src_offset:c.src_offset + c.nbytes])
+            srcs.append(raw)
             if c.src_offset + c.nbytes == m.nbytes:
-                yield m.name, self._pending.pop(c.index)
+                done.append((m.name, self._pending.pop(c.index)))
+        copy_group(dsts, srcs)
+        finished = iter(done)
+        for item in prog.items:
+            yield item if item is not None else next(finished)
 
     def reset(self) -> None:
         self._pending.clear()

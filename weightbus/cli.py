@@ -65,21 +65,51 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from weightbus.bench import SCENARIOS, main_bench
+    from weightbus import presets
+    from weightbus.bench import SCENARIOS, BenchConfig, main_bench
 
     gpu = torch.cuda.is_available()
+    names = args.preset or (["8b"] if gpu else ["tiny"])
+    if args.tensors is not None or args.tensor_bytes is not None:
+        try:
+            names = [presets.stress(args.tensors or 100_000, args.tensor_bytes or 1024)]
+        except ValueError as e:
+            print(f"weightbus bench: {e}", file=sys.stderr)
+            return 2
     scenarios = args.scenario or [s for s in SCENARIOS if gpu or not s.endswith("-direct")]
     if gpu and torch.cuda.device_count() < 2:
+        dropped = [s for s in scenarios if not s.startswith("colocated")]
         scenarios = [s for s in scenarios if s.startswith("colocated")]
-        print("one GPU: only the colocated scenario runs", flush=True)
-    presets_ = args.preset or (["8b"] if gpu else ["tiny"])
-    return main_bench(scenarios, presets_, args.iters, args.bucket_mb, args.json)
+        if dropped:
+            print(f"one GPU: not running {', '.join(dropped)} (they need 2)", flush=True)
+    try:  # every argument checked before anything starts
+        configs = [BenchConfig(scenario=s, preset=p, iters=args.iters, bucket_mb=args.bucket_mb,
+                               trainer_dtype=args.trainer_dtype, layers=args.layers)
+                   for p in names for s in scenarios]
+    except ValueError as e:
+        print(f"weightbus bench: {e}", file=sys.stderr)
+        return 2
+    return main_bench(configs, args.json, args.plot, log=lambda m: print(m, flush=True))
+
+
+class _Defaults(argparse.HelpFormatter):
+    """Shows an option's default where it has one (and its help does not say it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS, False) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="weightbus", description=__doc__)
+    from weightbus import __version__
+    p = argparse.ArgumentParser(prog="weightbus", description="Move model weights from RL trainers to "
+                                "rollout engines; demos and benchmarks.")
+    p.add_argument("--version", action="version", version=f"weightbus {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified")
+    d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified",
+                       formatter_class=_Defaults)
     d.add_argument("--backend", default="gloo", help="engine backend (default: gloo)")
     d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",
                    help="rollout ranks: plain torch modules (default) or a real vLLM engine")
@@ -91,15 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--bucket-mb", type=int, default=16)
     d.add_argument("--json", help="also write the rows as JSON to this file")
     d.set_defaults(fn=_demo)
-    b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run")
-    b.add_argument("--scenario", action="append",
-                   choices=["colocated", "colocated-direct", "disaggregated", "hybrid-fsdp",
-                            "hybrid-fsdp-direct"], help="repeatable; default: all")
-    b.add_argument("--preset", action="append",
-                   help="tiny, 0.6b, 8b, 32b (repeatable; default: tiny on CPU, 8b on GPU)")
-    b.add_argument("--iters", type=int, default=5)
-    b.add_argument("--bucket-mb", type=int, help="default: sized from free memory")
+    from weightbus import presets
+    from weightbus.bench import SCENARIOS, TRAINER_DTYPES
+    b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run",
+                       formatter_class=_Defaults)
+    b.add_argument("--scenario", action="append", choices=SCENARIOS,
+                   help="repeatable; default: every one this machine can run")
+    b.add_argument("--preset", action="append", choices=presets.names(), metavar="PRESET",
+                   help=f"repeatable, one of {', '.join(presets.names())}; default: tiny on CPU, 8b on GPU")
+    b.add_argument("--layers", type=int, help="keep only the first N decoder layers of the preset")
+    b.add_argument("--tensors", type=int, help="stress preset: N flat tensors (default 100000 if "
+                   "--tensor-bytes is given)")
+    b.add_argument("--tensor-bytes", type=int, help="stress preset: bf16 bytes per tensor "
+                   "(default 1024 if --tensors is given)")
+    b.add_argument("--trainer-dtype", choices=list(TRAINER_DTYPES), default="fp32",
+                   help="the trainer's weights (bf16 on the wire either way)")
+    b.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up")
+    b.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default: sized from free memory)")
     b.add_argument("--json", help="write the rows as JSON to this file")
+    b.add_argument("--plot", help="draw weightbus next to its floor per row into this SVG file")
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     return args.fn(args)

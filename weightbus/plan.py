@@ -38,7 +38,8 @@ class TensorMeta:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
+    # cached: a plan asks each of them many times, for every tensor
+    @cached_property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -47,11 +48,11 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        return self.numel * self.dtype.itemsize
 
     def describe(self) -> str:
         return f"{self.name!r} {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"

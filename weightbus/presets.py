@@ -24,9 +24,45 @@ QWEN3: dict[str, dict[str, int | bool]] = {
 ALIASES = {"0.6b": "qwen3-0.6b", "8b": "qwen3-8b", "32b": "qwen3-32b", "30b-a3b": "qwen3-30b-a3b"}
 
 
-def shapes(preset: str) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every tensor of the preset, in HF state-dict order."""
-    c = QWEN3[ALIASES.get(preset, preset)]
+def stress(tensors: int, tensor_bytes: int) -> str:
+    """The name of a stress preset: ``tensors`` flat tensors of ``tensor_bytes`` bf16 bytes
+    each (per-tensor costs, with no model shape in the way)."""
+    if tensors < 1 or tensor_bytes < 2 or tensor_bytes % 2:
+        raise ValueError(f"a stress preset needs tensors >= 1 and an even tensor size >= 2 bytes, "
+                         f"got {tensors} x {tensor_bytes}")
+    return f"{tensors}x{tensor_bytes}B"
+
+
+def _stress(preset: str) -> tuple[int, int] | None:
+    n, x, b = preset.removesuffix("B").partition("x")
+    return (int(n), int(b)) if x and n.isdigit() and b.isdigit() and preset.endswith("B") else None
+
+
+def names() -> list[str]:
+    """Every preset name (the stress presets, ``NxBB``, are made by :func:`stress`)."""
+    return [*ALIASES, *QWEN3]
+
+
+def check(preset: str, layers: int | None = None) -> str:
+    """``preset`` if known (and ``layers`` fits it), else a ValueError naming the choices."""
+    if _stress(preset) is None and ALIASES.get(preset, preset) not in QWEN3:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(names())}, "
+                         f"or a stress preset (--tensors N --tensor-bytes B)")
+    if layers is not None and (layers < 1 or _stress(preset) is not None):
+        raise ValueError(f"--layers {layers}: needs a model preset and at least one layer")
+    return preset
+
+
+def shapes(preset: str, layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor of the preset, in HF state-dict order; ``layers``
+    keeps only the first N decoder layers (so a big model's shape fits one GPU)."""
+    check(preset, layers)
+    st = _stress(preset)
+    if st is not None:
+        return [(f"stress.{i}.weight", (st[1] // 2,)) for i in range(st[0])]
+    c = dict(QWEN3[ALIASES.get(preset, preset)])
+    if layers is not None:
+        c["num_hidden_layers"] = min(layers, int(c["num_hidden_layers"]))
     h, heads, kv, hd = (int(c[k]) for k in ("hidden_size", "num_attention_heads",
                                             "num_key_value_heads", "head_dim"))
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (int(c["vocab_size"]), h))]
@@ -56,9 +92,9 @@ def shapes(preset: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def nbytes(preset: str, itemsize: int = 2) -> int:
+def nbytes(preset: str, itemsize: int = 2, layers: int | None = None) -> int:
     total = 0
-    for _, s in shapes(preset):
+    for _, s in shapes(preset, layers):
         n = 1
         for d in s:
             n *= d

@@ -66,6 +66,11 @@ class ModuleSink:
         if key is None:
             return
         target = self.targets.get(key)
+        if target is t:  # the engine wrote it in place (destinations, direct mode)
+            seen.add(key)
+            report.loaded += 1
+            report.bytes += t.nbytes
+            return
         if target is None:
             report.unexpected.append(name)
             return

@@ -34,6 +34,9 @@ Role = Literal["trainer", "rollout"]
 Weights = Iterable[tuple[str, torch.Tensor]]
 #: Checks an incoming update's manifest before any tensor is consumed; raises to reject it.
 Validator = Callable[[Manifest], None]
+#: Runs once the consumer has every tensor, before the ranks agree on the outcome; raises
+#: to fail the update on every rank (a post-load check of the rollout model).
+Completion = Callable[[], None]
 
 _HEADER_WORDS = 8
 _MESSAGE_BYTES = 4096
@@ -204,10 +207,28 @@ class _Stream:
     ``(name, tensor)`` in manifest order (tensor ``None`` where this rank need not hold it)."""
 
     def __init__(self, manifest: Manifest, open_: Callable[..., Iterator[tuple[str, torch.Tensor | None]]],
-                 strict_dtype: bool):
+                 strict_dtype: bool, tensors: list[torch.Tensor] | None = None):
         self.manifest = manifest
         self.open = open_
         self.strict_dtype = strict_dtype
+        #: every tensor, in manifest order, where the source holds them all as plain
+        #: tensors: the sender then packs with no per-tensor step at all
+        self.tensors = tensors
+
+    def checked_tensors(self) -> list[torch.Tensor] | None:
+        """:attr:`tensors`, once checked against the manifest in bulk (a mismatch names the
+        tensor), or None where the source has no such list."""
+        if self.tensors is None:
+            return None
+        metas = self.manifest.metas
+        if len(self.tensors) != len(metas):
+            raise PlanError(f"the weight source holds {len(self.tensors)} tensors, its manifest "
+                            f"{len(metas)}")
+        if [t.shape for t in self.tensors] != [m.shape for m in metas] or \
+                any(t.dtype is not m.dtype for t, m in zip(self.tensors, metas, strict=True)):
+            for t, m in zip(self.tensors, metas, strict=True):
+                buffers.check_castable(m, t)
+        return self.tensors
 
 
 def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
@@ -226,7 +247,8 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
                 if into is not None:
                     return weights.iter_for(owners, rank, into=into)
                 return weights.iter_for(owners, rank)
-            return _Stream(manifest, open_, False)
+            plain = getattr(weights, "plain_tensors", None)
+            return _Stream(manifest, open_, False, plain() if plain is not None else None)
         return _Stream(manifest, lambda plan, owners, rank: iter(weights), False)
     if cached is not None:
         return _Stream(cached, lambda plan, owners, rank: iter(weights), True)
@@ -251,10 +273,13 @@ def fetch(it: Iterator[tuple[str, torch.Tensor | None]], meta: TensorMeta, posit
                         f"{meta.describe()} (position {position})")
     if t is None:
         return None
-    buffers.check_castable(meta, t)
-    if strict_dtype and t.dtype != meta.dtype:
-        raise PlanError(f"tensor {name!r} changed dtype from {meta.dtype} to {t.dtype} since the "
-                        f"manifest was taken; pass a source with a manifest to cast")
+    if t.dtype is not meta.dtype:
+        buffers.check_castable(meta, t)
+        if strict_dtype:
+            raise PlanError(f"tensor {name!r} changed dtype from {meta.dtype} to {t.dtype} since the "
+                            f"manifest was taken; pass a source with a manifest to cast")
+    elif t.shape != meta.shape:
+        buffers.check_castable(meta, t)
     return t
 
 
@@ -279,6 +304,9 @@ class BucketEngine(CheckpointEngine):
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
         self._stamper = buffers.Stamper()
         self.n_senders = 1
+        self._packer_of: buffers.Packer | None = None
+        self._assembler_of: buffers.Assembler | None = None
+        self._assembler_for: tuple[Any, Any] = (None, None)
 
     # --- transport hooks -------------------------------------------------------------
     @abstractmethod
@@ -445,32 +473,49 @@ class BucketEngine(CheckpointEngine):
     def _send_buckets(self, plan: BucketPlan, stream: _Stream | None, version: int,
                       error: str | None) -> tuple[str | None, int]:
         manifest = plan.manifest
-        packer = buffers.Packer(plan)
+        metas = manifest.metas
+        packer = self._packer(plan)
+        held: list[torch.Tensor] | None = None
+        if stream is not None and error is None:
+            try:
+                held = stream.checked_tensors()
+            except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+                error = f"{self.where()}: {e}"
         it = stream.open(plan, lambda i: self._owners(plan, i), self.rank_in_senders) \
-            if stream is not None else None
+            if stream is not None and held is None else None
+        strict = stream.strict_dtype if stream is not None else False
         current: tuple[int, torch.Tensor | None] = (-1, None)
         wire = 0
         for b in plan.buckets:
             mine = self._packs(b)
             slot = self._acquire(b) if mine else None
-            for c in b.chunks:
-                try:
+            if held is not None:  # every tensor at hand: no per-tensor step
+                tensors: list[torch.Tensor | None] = [held[c.index] for c in b.chunks] if mine else []
+            else:
+                tensors = []
+                for c in b.chunks:
+                    # every rank walks the whole stream (sharded sources gather collectively)
                     if it is not None and current[0] != c.index:
                         packer.done_with(current[0])
-                        current = (c.index, fetch(it, manifest[c.index], c.index,
-                                                  stream.strict_dtype))  # type: ignore[union-attr]
-                    if mine and error is None and current[1] is not None:
-                        packer.pack(slot, c, current[1])  # type: ignore[arg-type]
-                    elif mine and error is None:
-                        raise PlanError(f"the weight source gave no data for {manifest[c.index].describe()} "
-                                        f"on the rank that packs it")
-                except StreamBroken as e:
-                    it = None
-                    error = error or f"{self.where()}: the weight stream raised at " \
-                                     f"{manifest[c.index].describe()}: {e.__cause__!r}"
-                except Exception as e:  # noqa: BLE001
-                    error = error or f"{self.where()}: tensor {manifest[c.index].name!r}: {e}"
+                        try:
+                            current = (c.index, fetch(it, metas[c.index], c.index, strict))
+                        except StreamBroken as e:
+                            it, current = None, (c.index, None)
+                            error = error or f"{self.where()}: the weight stream raised at " \
+                                             f"{metas[c.index].describe()}: {e.__cause__!r}"
+                        except Exception as e:  # noqa: BLE001
+                            current = (c.index, None)
+                            error = error or f"{self.where()}: tensor {metas[c.index].name!r}: {e}"
+                    if mine and error is None and current[1] is None and metas[c.index].nbytes:
+                        error = f"{self.where()}: the weight source gave no data for " \
+                                f"{metas[c.index].describe()} on the rank that packs it"
+                    tensors.append(current[1])
             if mine:
+                if error is None:
+                    try:
+                        packer.pack_bucket(slot, b, tensors)  # type: ignore[arg-type]
+                    except Exception as e:  # noqa: BLE001
+                        error = f"{self.where()}: bucket {b.index}: {e}"
                 self._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
                                     buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
                 self._send(b, slot)  # type: ignore[arg-type]
@@ -483,6 +528,27 @@ class BucketEngine(CheckpointEngine):
                         f"first extra {extra[0]!r}"
         self._flush_send(plan)
         return error, wire
+
+    def _packer(self, plan: BucketPlan) -> buffers.Packer:
+        """The plan's packer (its bucket views are made once and reused by every update)."""
+        if self._packer_of is None or self._packer_of.plan is not plan:
+            self._packer_of = buffers.Packer(plan)
+        return self._packer_of
+
+    def _assembler(self, plan: BucketPlan) -> buffers.Assembler:
+        """The plan's assembler, for the current destinations (views made once)."""
+        if self._assembler_of is None or self._assembler_for[0] is not plan \
+                or self._assembler_for[1] is not self._dest:
+            self._assembler_of = buffers.Assembler(plan, self.device, self._dest)
+            self._assembler_for = (plan, self._dest)
+        self._assembler_of.reset()
+        return self._assembler_of
+
+    def _forget_views(self) -> None:
+        """The bucket slots changed (freed, reallocated or mapped anew): views of the old
+        ones must not outlive them (they would keep their memory mapped)."""
+        self._packer_of = self._assembler_of = None
+        self._assembler_for = (None, None)
 
     @property
     def rank_in_senders(self) -> int:
@@ -502,6 +568,7 @@ class BucketEngine(CheckpointEngine):
     def receive_weights_sync(self, *, expected: Manifest | None = None,
                              validate: Validator | None = None,
                              on_release: Callable[[torch.Tensor], None] | None = None,
+                             on_complete: Completion | None = None,
                              ) -> Iterator[tuple[str, torch.Tensor]]:
         """``receive_weights`` as a plain iterator, for consumers that take one (vLLM's
         ``load_weights``). Close it (or exhaust it) so the update completes everywhere.
@@ -510,9 +577,12 @@ class BucketEngine(CheckpointEngine):
         yielded; if it raises, the update fails on every rank with its message and this
         consumer sees no tensor (its model keeps the previous weights).
         ``on_release(slot)`` runs just before a bucket's slot is reused: a consumer that
-        still holds views of it copies them out then (only those it still holds)."""
+        still holds views of it copies them out then (only those it still holds).
+        ``on_complete()`` runs after the last tensor was consumed and before the ranks
+        agree on the outcome: if it raises (a post-load check failed), the update fails
+        on every rank with its message."""
         self._check_ready("rollout")
-        return self._receive_iter(expected, validate, on_release)
+        return self._receive_iter(expected, validate, on_release, on_complete)
 
     def _open_receive(self, expected: Manifest | None, validate: Validator | None = None
                       ) -> tuple[float, int, Manifest, str | None]:
@@ -532,11 +602,12 @@ class BucketEngine(CheckpointEngine):
 
     def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None,
                       on_release: Callable[[torch.Tensor], None] | None = None,
+                      on_complete: Completion | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
         start, version, manifest, error = self._open_receive(expected, validate)
         plan = self._plan(manifest)
         closed = False
-        assembler = buffers.Assembler(plan, self.device, self._dest)
+        assembler = self._assembler(plan)
         buckets = plan.buckets
         for b in buckets[: self.num_buffers]:
             self._post_recv(b)
@@ -567,6 +638,11 @@ class BucketEngine(CheckpointEngine):
             if nxt < len(buckets):
                 self._post_recv(buckets[nxt])
         self._flush_recv(plan)
+        if on_complete is not None and error is None and not closed:
+            try:
+                on_complete()
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{self.where()}: version {version} failed its check after loading: {e}"
         try:
             self._finish(version, error)
         except WeightSyncError:

@@ -62,6 +62,7 @@ class CollectiveEngine(BucketEngine):
 
     def _allocate(self) -> None:
         if not self._slots:
+            self._forget_views()
             self._slots = [buffers.allocate(self.bucket_size, self.device)
                            for _ in range(self.num_buffers)]
 
@@ -127,6 +128,7 @@ class CollectiveEngine(BucketEngine):
     def finalize(self, destroy_group: bool = False) -> None:
         self._wait_all("finalize")
         self._slots = []
+        self._forget_views()
         if destroy_group:
             self._drop_groups()
             self._store_server = None

@@ -50,6 +50,8 @@ from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 _DONE = object()
+#: direct mode: wire bytes per multi-tensor write (sources held until written, at most this)
+_DIRECT_GROUP_BYTES = 256 << 20
 
 
 @CheckpointEngineRegistry.register("naive")
@@ -111,6 +113,7 @@ class ColocatedEngine(BucketEngine):
     def _allocate_slots(self) -> None:
         if self._slots:
             return
+        self._forget_views()
         if self.device.type == "cpu":
             self._shared = [buffers.SharedBuffer(self.bucket_size) for _ in range(self.num_buffers)]
             self._slots = [s.tensor for s in self._shared]
@@ -203,6 +206,7 @@ class ColocatedEngine(BucketEngine):
         self._formed += 1  # every member re-forms together, so the counts agree
         prefix = f"wb/{master['token']}/{self._formed}"
         if self.role == "rollout":
+            self._forget_views()
             for sb in self._shared:
                 sb.close()
             self._shared, self._slots = self._import_slots(peer["slots"])
@@ -222,6 +226,7 @@ class ColocatedEngine(BucketEngine):
                              for spec in direct] if self.role == "trainer" else []
             if self.device.type == "cuda":  # no bucket ever moves: give the slots back
                 self._slots, self._ipc = [], []
+                self._forget_views()
             return
         if pair_size > 1:
             store = comm.connect_store(peer["addr"], peer["port"], self.timeout, self.where())
@@ -244,6 +249,7 @@ class ColocatedEngine(BucketEngine):
     def finalize(self, destroy_group: bool = False) -> None:
         if destroy_group:
             self._reset_group()
+            self._forget_views()
             for sb in self._shared:
                 sb.close()
             self._shared, self._slots, self._ipc = [], [], []
@@ -336,14 +342,15 @@ class ColocatedEngine(BucketEngine):
 
     def receive_weights_sync(self, *, expected: Manifest | None = None,
                              validate: Validator | None = None,
-                             on_release: Callable[[torch.Tensor], None] | None = None) -> Any:
+                             on_release: Callable[[torch.Tensor], None] | None = None,
+                             on_complete: Callable[[], None] | None = None) -> Any:
         if self._local:
             raise WeightSyncError(f"{self.where()}: in-process pass-through needs receive_weights() "
                                   f"in the sender's event loop")
         if self._direct:  # the trainer writes in place: a rejection comes after the bytes
-            return self._receive_direct(expected, validate)
+            return self._receive_direct(expected, validate, on_complete)
         return super().receive_weights_sync(expected=expected, validate=validate,
-                                            on_release=on_release)
+                                            on_release=on_release, on_complete=on_complete)
 
     # --- direct mode ---------------------------------------------------------------------
     @staticmethod
@@ -373,27 +380,50 @@ class ColocatedEngine(BucketEngine):
             into = (lambda i: first[manifest[i].name]) if first is not None else None
             it = stream.open(None, lambda i: frozenset(range(self.n_trainers)), self.trainer_rank,
                              into=into)
+            # the writes go out a group at a time (one multi-tensor cast-copy per group),
+            # not a tensor per call
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            where: list[int] = []
+            pending = 0
             for i, meta in enumerate(manifest):
                 try:
                     t = fetch(it, meta, i, stream.strict_dtype)
                     if error is None and t is not None:
                         for targets in self._targets:
                             dst = targets[meta.name]
-                            if dst.data_ptr() != t.data_ptr():
-                                dst.copy_(t, non_blocking=True)  # the cast, straight into the rollout
+                            if dst.data_ptr() != t.data_ptr():  # (a gather may have written it)
+                                dsts.append(dst)
+                                srcs.append(t)
+                                where.append(i)
+                                pending += meta.nbytes
+                    if pending >= _DIRECT_GROUP_BYTES:
+                        buffers.copy_group(dsts, srcs, lambda k, w=where: manifest[w[k]].describe())
+                        dsts, srcs, where, pending = [], [], [], 0
                 except StreamBroken as e:
                     error = error or f"{self.where()}: the weight stream raised at " \
                                      f"{meta.describe()}: {e.__cause__!r}"
                     break
                 except Exception as e:  # noqa: BLE001
                     error = error or f"{self.where()}: tensor {meta.name!r}: {e}"
+            if error is None:
+                try:
+                    buffers.copy_group(dsts, srcs, lambda k: manifest[where[k]].describe())
+                except Exception as e:  # noqa: BLE001
+                    error = f"{self.where()}: {e}"
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
 
-    def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None) -> Any:
+    def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None,
+                        on_complete: Callable[[], None] | None = None) -> Any:
         self._check_ready("rollout")
         start, version, manifest, error = self._open_receive(expected, validate)
+        if on_complete is not None and error is None:  # the bytes are in place already
+            try:
+                on_complete()
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{self.where()}: version {version} failed its check after loading: {e}"
         self._finish(version, error)  # the trainer has written everything, or every rank raises
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,

@@ -55,7 +55,8 @@ class WeightbusWorkerExtension(EngineHost):
                 where=f"vLLM rank {rank}")
         try:
             stream = self._wb_engine.receive_weights_sync(validate=loader.preflight,
-                                                             on_release=loader.release)
+                                                             on_release=loader.release,
+                                                             on_complete=loader.complete)
             try:
                 nbytes, tensors = loader.receive(stream)
             finally:

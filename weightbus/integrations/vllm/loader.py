@@ -13,8 +13,11 @@ do, plus the two guarantees weightbus adds:
   is then torn, which the caller reports by withdrawing its version.
 
 Everything runs inside vLLM's layerwise-reload pair (``initialize_layerwise_reload`` /
-``finalize_layerwise_reload``), which rebuilds processed weights (fused, repacked,
-quantized) and keeps tensor addresses stable (CUDA graphs stay valid).
+``finalize_layerwise_reload``), which re-processes every updated layer (fused, repacked,
+quantized) and keeps tensor addresses stable (CUDA graphs stay valid). Where vLLM's
+processing takes a shortcut on reload (the CPU's MoE experts), :mod:`.processing`
+rebuilds what it skips, and an optional self-check compares sampled layers with a fresh
+load of the same weights before the update counts as done.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus.errors import WeightbusError
+from weightbus.integrations.vllm.processing import (
+    RebuildHooks,
+    SelfCheck,
+    refresh_shared_cpu_kernels,
+    self_check_from_env,
+)
 from weightbus.plan import Manifest
 
 #: Ends the error of an update that failed before anything loaded.
@@ -69,13 +78,17 @@ class VLLMModelLoader:
         model_config: vLLM's model config (finalize needs it for attention layers).
         partial: allow updates that leave some parameters out (they keep their values).
         where: names this worker in errors.
+        self_check: compare sampled layers with a fresh load after updates (see
+            :class:`~.processing.SelfCheck`); by default from ``WEIGHTBUS_VLLM_SELF_CHECK``.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, partial: bool = False,
-                 where: str = "vLLM worker"):
+                 where: str = "vLLM worker", self_check: SelfCheck | None = None):
         self.model, self.model_config = model, model_config
         self.partial, self.where = partial, where
+        self.self_check = self_check if self_check is not None else self_check_from_env()
         self._reload = layerwise_reload()
+        self._hooks: RebuildHooks | None = None
         self._active = self._touched = False
         self._counted: _Counting | None = None
         self._verdicts: dict[int, str | None] = {}  # manifest fingerprint -> rejection reason
@@ -121,11 +134,13 @@ class VLLMModelLoader:
         """Load one update from ``stream`` into the model through ``model.load_weights``;
         returns (bytes, tensors). The stream is drained even if the model stops early, so
         the update completes on every rank. Pass the engine :meth:`release` as its
-        ``on_release``; a stream that cannot call it must be given ``own=True`` (every view
-        of a bucket is copied)."""
+        ``on_release`` and :meth:`complete` as its ``on_complete`` (then a failed
+        self-check fails the update on every rank); a stream that cannot call
+        ``on_release`` must be given ``own=True`` (every view of a bucket is copied)."""
         counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
         self._touched = False
         start = time.perf_counter()
+        self.timing = {"finalize": 0.0, "check": 0.0}
         try:
             first = next(counted, None)  # the header and the preflight come before it
             if not self._active:
@@ -133,31 +148,63 @@ class VLLMModelLoader:
             if first is not None:
                 self._touched = True
                 self.model.load_weights(itertools.chain([first], counted))
-            for _ in counted:
+            for _ in counted:  # the engine calls complete() before the ranks agree
                 pass
+            if self._active:  # a stream that does not call on_complete
+                self.complete()
         except BaseException:
             self._abort()
             raise
-        loaded = time.perf_counter()
-        self._commit()
-        self.timing = {"seconds": time.perf_counter() - start, "waiting": counted.waiting,
-                       "finalize": time.perf_counter() - loaded}
         t = self.timing
+        t.update(seconds=time.perf_counter() - start, waiting=counted.waiting)
         _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
-                  "load_weights, %.3f s finalizing", self.where, counted.bytes / 1e6, t["seconds"],
-                  t["waiting"], t["seconds"] - t["waiting"] - t["finalize"], t["finalize"])
+                  "load_weights, %.3f s finalizing, %.3f s self-check", self.where, counted.bytes / 1e6,
+                  t["seconds"], t["waiting"], t["seconds"] - t["waiting"] - t["finalize"] - t["check"],
+                  t["finalize"], t["check"])
         return counted.bytes, counted.tensors
+
+    def complete(self) -> None:
+        """Every tensor is loaded: finish vLLM's reload (it processes the layers left),
+        rebuild what it skips, and run the self-check if this update is sampled; raises
+        :class:`~.processing.SelfCheckError` naming the layers that differ from a fresh
+        load."""
+        if not self._active:
+            return
+        begin = time.perf_counter()
+        hooks = self._hooks
+        self._commit()
+        checked = time.perf_counter()
+        self.timing["finalize"] = checked - begin
+        if hooks is not None and hooks.loaded:
+            try:
+                n = self.self_check.verify(self.model, hooks.loaded)  # type: ignore[union-attr]
+            finally:
+                hooks.loaded.clear()
+                self.timing["check"] = time.perf_counter() - checked
+            _log.info("weightbus %s: self-check passed on %d layer(s) in %.3f s", self.where, n,
+                      self.timing["check"])
 
     def _begin(self) -> None:
         if self._reload:
             self._reload[0](self.model)
+            sample = self.self_check.pick(self.model) if self.self_check else set()
+            self._hooks = RebuildHooks(self.model, sample)
+            self._hooks.install()
         self._active = True
 
     def _commit(self) -> None:
         self._active = False
-        if self._reload:
-            self._reload[1](self.model, self.model_config)
+        try:
+            if self._reload:
+                self._reload[1](self.model, self.model_config)
+        finally:
+            self._remove_hooks()
         refresh_shared_cpu_kernels(self.model)
+
+    def _remove_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
 
     def _abort(self) -> None:
         """End a failed update: layers that got only part of their weights keep their
@@ -172,8 +219,11 @@ class VLLMModelLoader:
                 if info.can_load():  # never completed: drop what it buffered
                     info.loaded_weights.clear()
                     info.load_numel = 0
-            with _quiet(_RELOAD_LOGGER):  # it warns once per layer that nothing was loaded
-                self._reload[1](self.model, self.model_config)
+            try:
+                with _quiet(_RELOAD_LOGGER):  # it warns once per layer that nothing was loaded
+                    self._reload[1](self.model, self.model_config)
+            finally:
+                self._remove_hooks()
         refresh_shared_cpu_kernels(self.model)
 
 
@@ -313,29 +363,6 @@ def _quiet(logger_name: str) -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
-
-
-# ------------------------------------------------------------------ CPU kernels
-
-
-def refresh_shared_cpu_kernels(model: Any) -> None:
-    """On the CPU, vLLM packs each linear weight into a GEMM kernel when it loads. A module
-    that only shares another's weight (a tied ``lm_head``) loads nothing itself, so a
-    reload leaves its kernel packed from the old weights: pack it again."""
-    try:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    except ImportError:
-        return
-    by_storage: dict[int, list[Any]] = {}
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel():
-            by_storage.setdefault(w.data_ptr(), []).append(m)
-    for mods in by_storage.values():
-        if len(mods) > 1:
-            for m in mods:
-                if hasattr(m, "cpu_linear"):
-                    dispatch_cpu_unquantized_gemm(m, remove_weight=False)
 
 
 class _Counting:

@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError, as_timedelta
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
+from weightbus.integrations.vllm.processing import SelfCheck
 from weightbus.plan import Manifest, TensorMeta
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sources import ModuleSource
@@ -67,6 +68,11 @@ class WeightbusInitInfo(WeightTransferInitInfo):
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     #: allow updates that leave some parameters out
     partial: bool = False
+    #: compare sampled layers with a fresh load every N-th update (0: off; see
+    #: :class:`~weightbus.integrations.vllm.processing.SelfCheck`), L layers each time
+    #: (0: all); unset (-1): from ``WEIGHTBUS_VLLM_SELF_CHECK`` in the worker
+    self_check_every: int = -1
+    self_check_layers: int = 0
 
 
 @dataclass
@@ -88,6 +94,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         self._loader: VLLMModelLoader | None = None
         self._loaders: dict[tuple[int, bool], VLLMModelLoader] = {}
         self._partial = False
+        self._self_check: SelfCheck | None = None
         pc = self.parallel_config
         #: this worker's index among the replica's workers (data parallel included)
         self.local_rank = int(getattr(pc, "data_parallel_index", 0)) * int(pc.world_size) + int(pc.rank)
@@ -111,6 +118,9 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                          T + R, timeout=engine.timeout, prefix=init_info.prefix)
         connect(engine, rdv, T, R)
         self._engine, self._partial = engine, init_info.partial
+        self._self_check = None if init_info.self_check_every < 0 else \
+            SelfCheck(init_info.self_check_every, init_info.self_check_layers)
+        self._loaders.clear()  # a new configuration: new loaders
 
     def start_weight_update(self) -> None:
         # the target is fixed now (vLLM may have pointed us at a draft model); the model
@@ -118,7 +128,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         key = (id(self.model), self._partial)
         if key not in self._loaders:  # kept per target: it caches its verdict per manifest
             self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
-                                                 partial=self._partial, where=self.where())
+                                                 partial=self._partial, where=self.where(),
+                                                 self_check=self._self_check)
         self._loader = self._loaders[key]
 
     def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
@@ -128,7 +139,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         loader = self._loader
         try:
             stream = self._engine.receive_weights_sync(validate=loader.preflight,
-                                                             on_release=loader.release)
+                                                             on_release=loader.release,
+                                                             on_complete=loader.complete)
             try:
                 loader.receive(stream)  # layerwise reload: initialized and finalized in here
             finally:
@@ -172,6 +184,10 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     bucket_size: int | None = None
     timeout: float = DEFAULT_TIMEOUT
     partial: bool = False
+    #: vLLM's workers compare sampled layers with a fresh load every N-th update (0: off,
+    #: -1: as ``WEIGHTBUS_VLLM_SELF_CHECK`` says there), L layers each time (0: all)
+    self_check_every: int = -1
+    self_check_layers: int = 0
 
 
 class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
@@ -218,7 +234,8 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
             pending = self._pool.submit(self.client.init_weight_transfer_engine, {
                 "master_address": info.master_address, "master_port": info.master_port,
                 "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
-                "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial})
+                "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial,
+                "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers})
         rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
                          timeout=info.timeout, prefix=prefix)
         try:

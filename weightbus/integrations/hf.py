@@ -1,0 +1,80 @@
+"""Hugging Face transformers models as a trainer-side source.
+
+A rollout engine (vLLM, SGLang) loads weights under the names and layouts of the model's
+*checkpoint*. transformers 5 keeps some weights in memory in another layout than it saves
+them: a MoE layer's experts are one fused 3-D tensor per projection in memory
+(``mlp.experts.gate_up_proj``) and one 2-D tensor per expert and projection on disk
+(``mlp.experts.0.gate_proj.weight``). transformers' own save-time conversion
+(``revert_weight_conversion``) maps one to the other; some of its outputs are copies, not
+views, so they must be made again for every update (a source built once would send the
+first version's experts forever). :class:`HFCheckpointSource` does that, one module at a
+time, so the copies never hold more than one module's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from weightbus.sources import ModuleSource
+
+
+def _convert(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: memory and checkpoint layouts are the same
+        return state
+    return revert_weight_conversion(model, state)
+
+
+def _groups(model: Any) -> list[dict[str, torch.Tensor]]:
+    """The model's state dict split by owning module, in order; a weight tied to another
+    (a tied ``lm_head``) appears once, under its first name, as ``save_pretrained``
+    writes it."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        groups.setdefault(name.rpartition(".")[0], {})[name] = t
+    return list(groups.values())
+
+
+def checkpoint_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """``model``'s weights under its checkpoint's names and layouts, as ``save_pretrained``
+    would write them (some are copies: call it again after the weights change)."""
+    out: dict[str, torch.Tensor] = {}
+    for group in _groups(model):
+        out.update(_convert(model, group))
+    return out
+
+
+class HFCheckpointSource:
+    """A transformers model as a weight source, under its checkpoint's names and layouts.
+
+    Converted anew at every update, one module at a time (the extra memory is one
+    module's converted weights). ``dtype`` is the wire dtype of floating-point tensors,
+    as for :class:`~weightbus.sources.ModuleSource`."""
+
+    def __init__(self, model: Any, *, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+        self.manifest = ModuleSource(checkpoint_state_dict(model), dtype=dtype).manifest
+
+    def _converted(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for group in _groups(self.model):
+            yield from _convert(self.model, group).items()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._converted():
+            yield name, t.detach()
+
+    def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int,
+                 into: Any = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every rank holds the whole model here: each yields every tensor (the engine
+        packs only its own buckets)."""
+        return iter(self)
