@@ -95,3 +95,17 @@ def test_unknown_backend_lists_registered_ones():
     with pytest.raises(WeightbusError, match="unknown checkpoint engine backend 'tcp'.*colocated.*gloo"):
         CheckpointEngineRegistry.new("tcp")
     assert {"colocated", "naive", "gloo", "nccl", "hccl"} <= set(CheckpointEngineRegistry.names())
+
+
+def test_ranks_agree_on_buffers_or_fail_naming_both_values():
+    """An explicit bucket size every rank shares wins; with none, the smallest that fits
+    every rank (a trainer GPU nearly full must not pick a bigger bucket than its peer);
+    a disagreement is one error naming the ranks and their values."""
+    from weightbus.engines.base import agree_buffers
+    meta = lambda size, fit, nb=2: {"bucket_size": size, "bucket_fit": fit, "num_buffers": nb}  # noqa: E731
+    assert agree_buffers(1, [meta(None, 576 << 20), meta(None, 1 << 30)]) == 576 << 20
+    assert agree_buffers(1, [meta(64 << 20, 64 << 20), meta(None, 1 << 30)]) == 64 << 20
+    with pytest.raises(PlanError, match="bucket_size: trainer rank 0 has 1024, rollout rank 0 has 2048"):
+        agree_buffers(1, [meta(1024, 1024), meta(2048, 2048)])
+    with pytest.raises(PlanError, match="disagree on num_buffers: .*rollout rank 1 has 3"):
+        agree_buffers(1, [meta(None, 4096), meta(None, 4096), meta(None, 4096, nb=3)])

@@ -286,8 +286,8 @@ def _colocated_engine(cfg: BenchConfig, device: torch.device, trainer: bool,
     engine = CheckpointEngineRegistry.new(
         "colocated", device=device, timeout=cfg.timeout,
         bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
-    if cfg.scenario.endswith("-direct") and not trainer:
-        engine.set_destinations(weights)  # type: ignore[attr-defined,arg-type]
+    if not trainer and weights is not None:  # the ring unpacks into them; -direct writes into them
+        engine.set_destinations(weights, direct=cfg.scenario.endswith("-direct"))  # type: ignore[call-arg]
     return engine
 
 

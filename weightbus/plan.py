@@ -98,6 +98,11 @@ class Manifest:
         return sum(m.nbytes for m in self.metas)
 
     @cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Every tensor's shape, in order (compared in bulk against a source's tensors)."""
+        return [m.shape for m in self.metas]
+
+    @cached_property
     def fingerprint(self) -> int:
         """A signed 63-bit digest of (name, dtype, shape) of every tensor, in order."""
         h = hashlib.blake2b(digest_size=8)

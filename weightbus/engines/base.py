@@ -140,6 +140,34 @@ class CheckpointEngine(ABC):
     def where(self) -> str:
         return f"{self.backend or type(self).__name__} {self.role or '?'} rank {getattr(self, 'rank', '?')}"
 
+    def buffer_metadata(self) -> dict[str, Any]:
+        """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""
+        return {"bucket_size": self._bucket_size, "bucket_fit": self.bucket_size,
+                "num_buffers": self.num_buffers}
+
+
+def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> int:
+    """The bucket size every rank of a group uses, from every rank's metadata: the size
+    ranks were given explicitly (they must all agree), else the smallest that fits every
+    rank's free memory. Ranks must agree on the number of buffers too. A disagreement is
+    one error naming the ranks and their values (not a shape error on one side and a
+    timeout on the other)."""
+    def who(i: int) -> str:
+        return f"trainer rank {i}" if i < trainer_world_size else f"rollout rank {i - trainer_world_size}"
+
+    for key in ("bucket_size", "num_buffers"):
+        given = {i: m[key] for i, m in enumerate(metadata) if m.get(key) is not None}
+        if len(set(given.values())) > 1:
+            raise PlanError(f"the ranks disagree on {key}: "
+                            + ", ".join(f"{who(i)} has {v}" for i, v in given.items())
+                            + f"; give every rank the same {key}" + (" (or none: the smallest that "
+                              "fits every rank is then used)" if key == "bucket_size" else ""))
+    explicit = [m["bucket_size"] for m in metadata if m.get("bucket_size")]
+    if explicit:
+        return int(explicit[0])
+    fits = [int(m["bucket_fit"]) for m in metadata if m.get("bucket_fit")]
+    return min(fits) if fits else buffers.default_bucket_size(torch.device("cpu"))
+
 
 class CheckpointEngineWithCache(CheckpointEngine):
     """An engine that keeps the latest version where a rollout can pull it on its own."""
@@ -221,14 +249,19 @@ class _Stream:
         if self.tensors is None:
             return None
         metas = self.manifest.metas
-        if len(self.tensors) != len(metas):
-            raise PlanError(f"the weight source holds {len(self.tensors)} tensors, its manifest "
-                            f"{len(metas)}")
-        if [t.shape for t in self.tensors] != [m.shape for m in metas] or \
-                any(t.dtype is not m.dtype for t, m in zip(self.tensors, metas, strict=True)):
-            for t, m in zip(self.tensors, metas, strict=True):
+        tensors = self.tensors
+        if len(tensors) != len(metas):
+            raise PlanError(f"the weight source holds {len(tensors)} tensors, its manifest {len(metas)}")
+        # in bulk: one list comparison for the shapes, and castability per distinct pair of
+        # dtypes (it depends on nothing else); the per-tensor check runs only to name a culprit
+        bad = [t.shape for t in tensors] != self.manifest.shapes
+        for have, want in {(t.dtype, m.dtype) for t, m in zip(tensors, metas, strict=True)}:
+            if have is not want and not (have.is_floating_point and want.is_floating_point):
+                bad = True
+        if bad:
+            for t, m in zip(tensors, metas, strict=True):
                 buffers.check_castable(m, t)
-        return self.tensors
+        return tensors
 
 
 def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:

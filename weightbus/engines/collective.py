@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry
+from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers
 from weightbus.errors import PlanError
 from weightbus.plan import Bucket, BucketPlan
 
@@ -48,7 +48,9 @@ class CollectiveEngine(BucketEngine):
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device)}
+        # buckets are allocated once the group agrees on their size (init_process_group)
+        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
+                                **self.buffer_metadata()}
         if self.role != "rollout":
             # Any trainer may become rank 0; the store of rank 0 is the rendezvous.
             if self._store_server is None:
@@ -57,7 +59,6 @@ class CollectiveEngine(BucketEngine):
             # group counters of an earlier membership
             self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
             meta.update(port=self._store_server.port, token=self._token)
-        self._allocate()
         return meta
 
     def _allocate(self) -> None:
@@ -80,15 +81,22 @@ class CollectiveEngine(BucketEngine):
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
         common = {"trainer_world_size": trainer_world_size, "rollout_world_size": rollout_world_size,
                   "master_addr": master["addr"], "master_port": master["port"],
-                  "token": master["token"]}
+                  "token": master["token"], "bucket_size": agree_buffers(trainer_world_size, metadata)}
         T, R = trainer_world_size, rollout_world_size
         trainer = {k: [v] * T for k, v in common.items()} | {"rank": list(range(T))}
         rollout = {k: [v] * R for k, v in common.items()} | {"rank": list(range(T, T + R))}
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
-                           master_addr: str, master_port: int, token: str) -> None:
+                           master_addr: str, master_port: int, token: str,
+                           bucket_size: int | None = None) -> None:
+        """Join the groups. ``bucket_size`` is the size the group agreed on (see
+        :func:`~weightbus.engines.base.agree_buffers`); this rank's buckets follow it."""
         T, R = trainer_world_size, rollout_world_size
+        if bucket_size is not None and bucket_size != self.bucket_size:
+            self._wait_all("resize buckets")
+            self._bucket_size, self._slots = int(bucket_size), []
+            self._plans.clear()
         self.rank, self.world_size = rank, T + R
         self.role = "trainer" if rank < T else "rollout"
         self.trainer_rank = rank if rank < T else -1

@@ -80,6 +80,9 @@ class ColocatedEngine(BucketEngine):
         self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
         self.rank = 0
+        self._want_direct = True
+        self._direct_for: Manifest | None = None
+        self._direct_list: buffers.CopyList | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -93,17 +96,19 @@ class ColocatedEngine(BucketEngine):
             self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
             self._allocate_slots()
             meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
-        elif self._dest is not None and self._can_export(self._dest):
+        elif self._dest is not None and self._want_direct and self._can_export(self._dest):
             from torch.multiprocessing.reductions import reduce_tensor
             meta["direct"] = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                reduce_tensor(t.detach())) for n, t in self._dest.items()]
         return meta
 
-    def set_destinations(self, named: Mapping[str, torch.Tensor]) -> None:
+    def set_destinations(self, named: Mapping[str, torch.Tensor], *, direct: bool = True) -> None:
         """Rollout side, before ``prepare()``: ask the trainer to write straight into these
         tensors (direct mode; CUDA only, and not with expandable segments, whose memory
-        cannot be exported). Otherwise the bucket path unpacks straight into them."""
+        cannot be exported). Otherwise (or with ``direct=False``) the bucket ring unpacks
+        straight into them, one multi-tensor copy per bucket."""
         super().set_destinations(named)
+        self._want_direct = direct
 
     @staticmethod
     def _can_export(named: Mapping[str, torch.Tensor]) -> bool:
@@ -244,6 +249,8 @@ class ColocatedEngine(BucketEngine):
                     pass
         self._ctl, self._pair, self._broken, self._peers_fingerprint = None, None, None, None
         self._targets, self._direct = [], False
+        self._direct_for: Manifest | None = None
+        self._direct_list: buffers.CopyList | None = None
         self._works, self._ready, self._acked = [], {}, 0
 
     def finalize(self, destroy_group: bool = False) -> None:
@@ -373,7 +380,23 @@ class ColocatedEngine(BucketEngine):
             why = self._misfit(manifest, targets)
             if why and error is None:
                 error = f"{self.where()}: direct mode: {why}"
-        if stream is not None:
+        held = None
+        if stream is not None and error is None:
+            try:
+                held = stream.checked_tensors()
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                error = f"{self.where()}: {e}"
+        if held is not None and error is None:
+            # every tensor at hand: one multi-tensor cast-copy into every paired rollout
+            # rank's tensors, over a destination list made once per manifest
+            try:
+                self._direct_copies(manifest).run(held * len(self._targets),
+                                                  lambda k: manifest[k % len(manifest)].describe())
+            except Exception as e:  # noqa: BLE001
+                error = f"{self.where()}: {e}"
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+        elif stream is not None:
             # every trainer iterates (sharded sources gather collectively); only a rank
             # with no error writes
             first = self._targets[0] if self._targets and error is None else None
@@ -414,6 +437,15 @@ class ColocatedEngine(BucketEngine):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
+
+    def _direct_copies(self, manifest: Manifest) -> buffers.CopyList:
+        """Direct mode: every paired rollout rank's tensors, in manifest order (made once
+        per manifest and membership)."""
+        if self._direct_for is not manifest or self._direct_list is None:
+            self._direct_list = buffers.CopyList([targets[m.name] for targets in self._targets
+                                                  for m in manifest])
+            self._direct_for = manifest
+        return self._direct_list
 
     def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None,
                         on_complete: Callable[[], None] | None = None) -> Any:
