@@ -180,6 +180,11 @@ class SelfCheck:
     buffer of the live layer must equal the copy's bitwise, and a linear layer must give
     the same output on a fixed probe (on the CPU its weight lives in a packed kernel).
 
+    Cost: each sampled layer's weights are held twice more while it runs (the copy of
+    what it loaded, and the fresh processing of it), so sample a few layers of a large
+    model (``layers``); all layers of a model double its memory for the check (a 3.7 GB
+    MoE with every layer sampled ran this 24 GiB machine out of memory).
+
     Args:
         every: check every N-th update (0: never).
         layers: layers per check (0: all); the sample rotates so that successive checks
