@@ -45,12 +45,15 @@ def test_bad_inputs_fail_everywhere_and_group_survives(port):
     T, R = 2, 2
     logs = spawn(workers.bad_inputs, T + R, (T, R, port), timeout=240)
     for rank, log in enumerate(logs):
-        for good in ("good1", "good2", "good3", "good4", "good5"):
+        for good in ("good1", "good2", "good3", "good4", "good5", "good6"):
             assert "ok" in log[good], (rank, good, log[good])
         assert "duplicate tensor name 'a'" in log["duplicate"]["error"]
         assert "proj.weight" in log["trainers_disagree"]["error"]
         assert f"trainer rank {T - 1}" in log["trainers_disagree"]["error"]
         assert "cannot cast torch.int64" in log["bad_cast"]["error"]
+        assert "pass ModuleSource(weights)" in log["plain_dict"]["error"]
+        if rank >= T:  # told in the header, not at the deadline (30 s)
+            assert log["plain_dict"]["seconds"] < 10
         if rank >= T:
             assert "proj.bias" in log["receiver_expects_other"]["error"]
             assert "SinkError" in log["sink_missing"]["error"]

@@ -165,7 +165,9 @@ def bad_inputs(rank: int, T: int, R: int, port: int):
             except Exception as e:  # noqa: BLE001
                 log[name] = {"error": f"{type(e).__name__}: {e}"}
         else:
+            t0 = time.monotonic()
             log[name] = _outcome(lambda: _receive(engine, expected=expected))
+            log[name]["seconds"] = time.monotonic() - t0
 
     step("duplicate", lambda r: [("a", torch.ones(3)), ("a", torch.ones(3))])
     step("good1", lambda r: good)
@@ -181,6 +183,9 @@ def bad_inputs(rank: int, T: int, R: int, port: int):
     step("good4", lambda r: good)
     step("bad_cast", lambda r: _Lying())
     step("good5", lambda r: good)
+    # a plain dict (not a source, not pairs): every rank hears it at once, with the fix
+    step("plain_dict", lambda r: dict(model.state_dict()))
+    step("good6", lambda r: good)
     return log
 
 

@@ -10,6 +10,7 @@ from weightbus.engines import (
     CheckpointEngineWithCache,
     UpdateStats,
 )
+from weightbus.engines.base import WeightSource
 from weightbus.errors import (
     ManifestMismatch,
     PlanError,
@@ -26,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BucketPlan", "CheckpointEngine", "CheckpointEngineRegistry", "CheckpointEngineWithCache",
     "Manifest", "ManifestMismatch", "ModuleSink", "ModuleSource", "PlanError", "SinkError",
-    "TensorMeta", "UpdateStats", "WeightSyncError", "WeightbusError",
+    "TensorMeta", "UpdateStats", "WeightSource", "WeightSyncError", "WeightbusError",
 ]

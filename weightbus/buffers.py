@@ -162,19 +162,19 @@ def chunk_view(slot: torch.Tensor, c: Chunk, meta: TensorMeta) -> torch.Tensor |
 
 def copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
                names: Callable[[int], str] | None = None) -> None:
-    """``dst.copy_(src)`` for every pair in one multi-tensor call (the cast included). If it
-    fails, the pairs are copied one by one so the error names the tensor (``names(i)``)."""
+    """``dst.copy_(src)`` for every pair in one multi-tensor call (the cast included). Where
+    that call refuses the lists (e.g. tensors on several devices), the pairs are copied one
+    by one, and an error names the tensor (``names(i)``)."""
     if not dsts:
         return
     try:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
-    except Exception:  # noqa: BLE001 - find the tensor at fault
+    except Exception:  # noqa: BLE001 - one by one: name the tensor at fault, or succeed
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
             try:
                 d.copy_(s, non_blocking=True)
             except Exception as e:
                 raise PlanError(f"tensor {names(i) if names else i}: {e}") from e
-        raise
 
 
 #: Tensors at least this large are copied one native copy each: a multi-tensor kernel moves

@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified",
                        formatter_class=_Defaults)
-    d.add_argument("--backend", default="gloo", help="engine backend (default: gloo)")
+    from weightbus.engines.base import CheckpointEngineRegistry
+    d.add_argument("--backend", default="gloo", choices=CheckpointEngineRegistry.names(),
+                   help="engine backend (default: gloo)")
     d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",
                    help="rollout ranks: plain torch modules (default) or a real vLLM engine")
     d.add_argument("--trainers", type=int, default=2)

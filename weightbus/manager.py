@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightbus import comm
@@ -40,6 +40,10 @@ class UpdateReport:
     def transfer_gbps(self) -> float:
         t = self.phases.get("transfer", 0.0)
         return self.bytes / t / 1e9 if t > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict, for a framework's metrics or logs."""
+        return {**asdict(self), "seconds": self.seconds, "transfer_gbps": self.transfer_gbps}
 
 
 class CheckpointEngineManager:
@@ -80,15 +84,21 @@ class CheckpointEngineManager:
         for r in replicas:
             if any(r is x for x in self.replicas):
                 raise WeightbusError(f"replica {r.name!r} is already a member")
+            if any(r.name == x.name for x in self.replicas):
+                raise WeightbusError(f"another replica is already named {r.name!r} (members: "
+                                     f"{[x.name for x in self.replicas]}); give each replica its "
+                                     f"own name= so errors, versions() and remove_replicas can tell "
+                                     f"them apart")
             self.replicas.append(r)
 
     def remove_replicas(self, replicas: Iterable[WorkerGroup | str]) -> None:
         """They get no further update; their processes may already be gone."""
         for r in replicas:
-            match = [x for x in self.replicas if x is r or x.name == r]
-            if not match:
-                raise WeightbusError(f"no replica {getattr(r, 'name', r)!r} among "
-                                     f"{[x.name for x in self.replicas]}")
+            match = [x for x in self.replicas if x is r] or \
+                [x for x in self.replicas if isinstance(r, str) and x.name == r]
+            if len(match) != 1:
+                raise WeightbusError(f"{'no' if not match else 'more than one'} replica "
+                                     f"{getattr(r, 'name', r)!r} among {[x.name for x in self.replicas]}")
             self.replicas.remove(match[0])
             self._setup.discard(id(match[0]))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,12 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    #: some tensor arrived in another dtype than the model holds (see ``allow_cast``)
+    dtype_mismatch: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict, for a framework's metrics or logs."""
+        return {**asdict(self), "ok": self.ok}
 
     @property
     def ok(self) -> bool:
@@ -75,10 +82,13 @@ class ModuleSink:
             report.unexpected.append(name)
             return
         if tuple(target.shape) != tuple(t.shape):
+            seen.add(key)  # arrived, but does not fit: mismatched, not missing
             report.mismatched.append(f"{key} (got {list(t.shape)}, model has {list(target.shape)})")
             return
         if target.dtype != t.dtype and not self.allow_cast:
+            seen.add(key)
             report.mismatched.append(f"{key} (got {t.dtype}, model has {target.dtype})")
+            report.dtype_mismatch = True
             return
         if not (target.data_ptr() == t.data_ptr() and target.stride() == t.stride()):
             with torch.no_grad():  # (an engine in direct mode already wrote it in place)
@@ -90,7 +100,10 @@ class ModuleSink:
     def _close(self, report: LoadReport, seen: set[str]) -> LoadReport:
         report.missing = [k for k in self.targets if k not in seen]
         if report.mismatched or (self.strict and not report.ok):
-            raise SinkError(f"loading into {type(self.module).__name__} failed: {report.describe()}")
+            hint = (" (the update's dtype differs from the model's: send the model's dtype, e.g. "
+                    "ModuleSource(model, dtype=...), or pass ModuleSink(..., allow_cast=True) to "
+                    "cast on load)") if report.dtype_mismatch else ""
+            raise SinkError(f"loading into {type(self.module).__name__} failed: {report.describe()}{hint}")
         return report
 
     async def load(self, stream: AsyncIterable[tuple[str, torch.Tensor]]) -> LoadReport:

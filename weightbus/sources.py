@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightbus.errors import PlanError
 from weightbus.plan import Manifest, TensorMeta
 
 NameMap = Callable[[str], "str | None"]
@@ -58,9 +59,15 @@ class ModuleSource:
         self._items: list[tuple[str, torch.Tensor]] = []
         metas = []
         for name, t in items.items():
+            if not isinstance(t, torch.Tensor):
+                raise PlanError(f"ModuleSource: {name!r} is of type {type(t).__name__}, not a tensor; give "
+                                f"it only the weights (a module, or a mapping of name to tensor)")
             out = name_map(name) if name_map is not None else name
             if out is None:
                 continue
+            if not isinstance(out, str):
+                raise PlanError(f"ModuleSource: name_map({name!r}) returned a {type(out).__name__}; "
+                                f"it must return the rollout's name (a str) or None to drop it")
             self._items.append((out, t))
             metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
         self.manifest = Manifest(metas)

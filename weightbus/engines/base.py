@@ -17,11 +17,13 @@ is left blocked; a peer that dies or hangs trips the group's deadline instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -30,7 +32,31 @@ from weightbus.errors import DEFAULT_TIMEOUT, PlanError, WeightbusError, WeightS
 from weightbus.plan import Bucket, BucketPlan, Manifest, TensorMeta
 
 Role = Literal["trainer", "rollout"]
-#: ``(name, tensor)`` pairs, or an object with a ``manifest`` (see :mod:`weightbus.sources`).
+@runtime_checkable
+class WeightSource(Protocol):
+    """What ``send_weights`` takes besides a plain iterable of ``(name, tensor)`` pairs:
+    a source that knows its manifest up front (:class:`weightbus.sources.ModuleSource`,
+    :class:`weightbus.integrations.hf.HFCheckpointSource`, a Megatron or checkpoint source
+    of your own). Every trainer rank iterates the same source in lockstep.
+
+    - ``manifest``: every tensor's rollout-side name, *wire* dtype and full shape, in the
+      order iteration yields them (a tensor may be yielded in another floating dtype: the
+      engine casts it once, inside the copy into the bucket);
+    - ``__iter__``: ``(name, full tensor)`` in manifest order;
+    - optionally ``iter_for(owners, rank, into=None)``: the same, but a rank that is not in
+      ``owners(i)`` may yield ``None`` for tensor ``i`` instead of materialising it
+      (sharded tensors are gathered only to the ranks that pack them); ``into(i)``, where
+      given, names a tensor to write tensor ``i`` into (direct mode);
+    - optionally ``plain_tensors()``: every tensor in manifest order as a list (or None),
+      so the engine packs with no per-tensor step.
+    """
+
+    manifest: Manifest
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+#: ``(name, tensor)`` pairs, or a :class:`WeightSource`.
 Weights = Iterable[tuple[str, torch.Tensor]]
 #: Checks an incoming update's manifest before any tensor is consumed; raises to reject it.
 Validator = Callable[[Manifest], None]
@@ -38,6 +64,7 @@ Validator = Callable[[Manifest], None]
 #: to fail the update on every rank (a post-load check of the rollout model).
 Completion = Callable[[], None]
 
+_log = logging.getLogger("weightbus")
 _HEADER_WORDS = 8
 _MESSAGE_BYTES = 4096
 
@@ -56,6 +83,10 @@ class UpdateStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict, for a framework's metrics or logs."""
+        return {**dataclasses.asdict(self), "gbps": self.gbps}
 
 
 class CheckpointEngine(ABC):
@@ -283,12 +314,20 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
             plain = getattr(weights, "plain_tensors", None)
             return _Stream(manifest, open_, False, plain() if plain is not None else None)
         return _Stream(manifest, lambda plan, owners, rank: iter(weights), False)
+    if isinstance(weights, Mapping):
+        raise PlanError(f"the weights are a {type(weights).__name__} of {len(weights)} entries; pass "
+                        f"ModuleSource(weights) (the dtype policy, sharded tensors, no per-tensor "
+                        f"steps) or weights.items()")
+    if isinstance(weights, torch.Tensor | str | bytes) or not isinstance(weights, Iterable):
+        raise PlanError(f"the weights must be a source (ModuleSource) or an iterable of (name, tensor) "
+                        f"pairs, got {type(weights).__name__}")
     if cached is not None:
         return _Stream(cached, lambda plan, owners, rank: iter(weights), True)
     items = list(weights)
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise PlanError(f"the weight stream must yield (name, tensor) pairs, got {type(item).__name__}")
+            raise PlanError(f"the weight stream must yield (name, tensor) pairs, got {type(item).__name__} "
+                            f"{str(item)[:60]!r}; a dict of tensors goes in ModuleSource(d) or d.items()")
     return _Stream(Manifest.from_tensors(items), lambda plan, owners, rank: iter(items), True)
 
 
@@ -493,7 +532,12 @@ class BucketEngine(CheckpointEngine):
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
                                       time.perf_counter() - start, buckets)
+        self._log_update(self.last_stats)
         return self.last_stats
+
+    def _log_update(self, stats: UpdateStats) -> None:
+        _log.info("%s: version %d: %d tensors, %.1f MB in %.3f s (%.2f GB/s)", self.where(), stats.version,
+                  stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps)
 
     def _transfer(self, manifest: Manifest, stream: _Stream | None, version: int,
                   error: str | None) -> tuple[str | None, int, int]:
@@ -685,3 +729,4 @@ class BucketEngine(CheckpointEngine):
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, plan.wire_bytes,
                                       time.perf_counter() - start, len(plan))
+        self._log_update(self.last_stats)

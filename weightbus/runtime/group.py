@@ -97,6 +97,18 @@ class _LocalPending:
         return self.group._collect(self.method, self.ids, timeout)
 
 
+_named: dict[str, int] = {}
+
+
+def default_name(cls: type, size: int) -> str:
+    """A group name that no other group made in this process has (``Rolloutx2``, then
+    ``Rolloutx2#2``...): errors, ``versions()`` and ``remove_replicas`` tell replicas
+    apart by name."""
+    base = f"{cls.__name__}x{size}"
+    _named[base] = _named.get(base, 0) + 1
+    return base if _named[base] == 1 else f"{base}#{_named[base]}"
+
+
 class LocalWorkerGroup:
     """``size`` processes on this host, rank r running ``cls(r, size, *args, **kwargs)``.
 
@@ -106,7 +118,7 @@ class LocalWorkerGroup:
 
     def __init__(self, cls: type, size: int, *args: Any, name: str | None = None,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None, **kwargs: Any):
-        self.name = name or f"{cls.__name__}x{size}"
+        self.name = name or default_name(cls, size)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._ids = itertools.count(1)

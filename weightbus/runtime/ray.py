@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from weightbus.runtime.group import Pending, WorkerError
+from weightbus.runtime.group import Pending, WorkerError, default_name
 
 try:
     import ray
@@ -66,7 +66,7 @@ class RayWorkerGroup:
                  actor_options: dict[str, Any] | None = None, start_timeout: float = 120.0,
                  **kwargs: Any):
         ensure_ray()
-        self.name = name or f"{cls.__name__}x{size}"
+        self.name = name or default_name(cls, size)
         opts = {"num_cpus": 0, "max_concurrency": 1, **(actor_options or {})}
         remote_cls = ray.remote(cls)
         self.actors = [remote_cls.options(**opts).remote(r, size, *args, **kwargs) for r in range(size)]

@@ -1,0 +1,81 @@
+"""Careless use fails fast and names the fix (issue: the first hour of a new user)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from mgr_workers import Rollout
+
+from weightbus import ModuleSink, ModuleSource, PlanError, SinkError, UpdateStats, WeightSource
+from weightbus.errors import WeightbusError
+from weightbus.manager import CheckpointEngineManager
+from weightbus.runtime.group import LocalWorkerGroup
+
+
+def test_replicas_of_one_class_get_names_that_never_collide():
+    a, b = LocalWorkerGroup(Rollout, 1), LocalWorkerGroup(Rollout, 1)
+    trainer = LocalWorkerGroup(Rollout, 1, name="not-a-trainer")  # membership only: no update
+    try:
+        assert a.name != b.name
+        mgr = CheckpointEngineManager("gloo", trainer, [a, b])
+        with pytest.raises(WeightbusError, match=f"already named {b.name!r}.*own name="):
+            mgr.add_replicas([_named(b.name)])
+        mgr.remove_replicas([b.name])
+        assert [r.name for r in mgr.replicas] == [a.name]  # the right one went
+        with pytest.raises(WeightbusError, match=rf"no replica 'ghost' among \['{a.name}'\]"):
+            mgr.remove_replicas(["ghost"])
+    finally:
+        for g in (a, b, trainer):
+            g.shutdown(timeout=2)
+
+
+class _named:
+    """A second group that happens to carry an existing name (as two explicit name= can)."""
+
+    def __init__(self, name):
+        self.name, self.size = name, 1
+
+
+def test_a_dtype_mismatch_is_reported_once_with_the_fix():
+    model = torch.nn.Linear(4, 3)  # fp32
+    stream = [(n, t.to(torch.bfloat16)) for n, t in model.state_dict().items()]
+    with pytest.raises(SinkError) as err:
+        ModuleSink(model).load_iter(stream)
+    text = str(err.value)
+    assert "mismatched: weight (got torch.bfloat16, model has torch.float32)" in text
+    assert "missing" not in text  # it arrived: mismatched, not also missing
+    assert "allow_cast=True" in text
+    report = ModuleSink(model, allow_cast=True).load_iter(stream)
+    assert report.ok and report.to_dict()["loaded"] == 2
+
+
+def test_sources_refuse_non_tensors_naming_them():
+    with pytest.raises(PlanError, match="'step' is of type int, not a tensor"):
+        ModuleSource({"w": torch.ones(2), "step": 3})
+    with pytest.raises(PlanError, match="name_map.*must return"):
+        ModuleSource({"w": torch.ones(2)}, name_map=lambda n: 7)
+    assert isinstance(ModuleSource({"w": torch.ones(2)}), WeightSource)
+    stats = UpdateStats(1, 2, 10, 20, 0.5, 1)
+    assert stats.to_dict()["gbps"] == pytest.approx(2e-8)
+
+
+def _cli(*args):
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "weightbus.cli", *args], capture_output=True, text=True,
+                         timeout=60)
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+
+
+def test_cli_checks_arguments_before_anything_starts():
+    rc, text, took = _cli("demo", "--backend", "glo")
+    assert rc == 2 and "invalid choice: 'glo'" in text and "gloo" in text and took < 20
+    rc, text, took = _cli("bench", "--preset", "7b")
+    assert rc == 2 and "invalid choice: '7b'" in text and "30b-a3b" in text and took < 20
+    rc, text, _ = _cli("bench", "--tensors", "10", "--tensor-bytes", "3")
+    assert rc == 2 and "even tensor size" in text
+    rc, text, _ = _cli("--version")
+    assert rc == 0 and text.startswith("weightbus ")
+    rc, text, _ = _cli("bench", "--help")
+    assert rc == 0 and "(default: 5)" in text and "Layer" not in text
