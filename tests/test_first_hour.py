@@ -79,3 +79,39 @@ def test_cli_checks_arguments_before_anything_starts():
     assert rc == 0 and text.startswith("weightbus ")
     rc, text, _ = _cli("bench", "--help")
     assert rc == 0 and "(default: 5)" in text and "Layer" not in text
+
+
+def test_bench_prints_progress_and_no_warnings():
+    rc, text, _ = _cli("bench", "--scenario", "hybrid-fsdp", "--iters", "1")
+    assert rc == 0, text
+    assert "[1/1] hybrid-fsdp tiny (fp32 trainer): running" in text and "OK" in text
+    assert "Warning" not in text
+
+
+def test_join_fails_fast_naming_the_address_when_nothing_answers():
+    from weightbus import CheckpointEngineRegistry, WeightSyncError
+    from weightbus.comm import free_port
+    from weightbus.runtime.local import join
+
+    port = free_port()  # nothing serves it
+    engine = CheckpointEngineRegistry.new("gloo", role="rollout", timeout=3)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=rf"rank 1 \(rollout\): cannot reach the rendezvous store at "
+                                              rf"127.0.0.1:{port} within 3s"):
+        join(engine, rank=1, trainer_world_size=1, rollout_world_size=1, master_addr="127.0.0.1",
+             master_port=port)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WeightbusError, match="rank 5 is outside"):
+        join(engine, rank=5, trainer_world_size=1, rollout_world_size=1, master_addr="127.0.0.1",
+             master_port=port)
+
+
+def test_progress_callback_on_both_sides(port):
+    import workers
+
+    from weightbus.runtime.local import spawn
+
+    (sent, ok0), (got, ok1) = spawn(workers.progress_reported, 2, (port,), timeout=120)
+    total = sent[-1][1]
+    assert total > 3 and sent == [(i, total) for i in range(1, total + 1)] == got
+    assert "ok" in ok0 and "ok" in ok1  # a raising callback is logged, not fatal

@@ -295,3 +295,24 @@ def sharded_source(rank: int, port: int):
         got = to_owner[name]
         assert (got is None) == (i % 2 != rank) and (got is None or torch.equal(got, expected[name])), name
     return True
+
+
+def progress_reported(rank: int, port: int):
+    """Both sides report every bucket through ``engine.progress``; a callback that raises
+    does not break the update."""
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 14, timeout=30,
+                                          role="trainer" if rank == 0 else "rollout")
+    connect(engine, rdv, 1, 1)
+    seen = []
+    engine.progress = lambda done, total: seen.append((done, total))
+    model = Mixed()
+    if rank == 0:
+        _send(engine, ModuleSource(model), version=1)
+    else:
+        _receive(engine)
+    engine.progress = lambda done, total: 1 / 0
+    ok = _outcome(lambda: _send(engine, ModuleSource(model), version=2).version) if rank == 0 \
+        else _outcome(lambda: len(_receive(engine)))
+    engine.finalize(destroy_group=True)
+    return seen, ok

@@ -353,7 +353,7 @@ def _hybrid(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str
         if trainer:
             done = 0
             while done < total:
-                dist.all_gather_into_tensor(ag_out, ag_in)
+                comm.all_gather_single(ag_out, ag_in)
                 done += chunk
 
     weightbus = _update_fn(engine, source, weights)

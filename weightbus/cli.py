@@ -27,7 +27,11 @@ def _demo(args: argparse.Namespace) -> int:
               f"{'bitwise OK' if r['verified'] else 'MISMATCH'}")
     if rows and rows[0].get("floor_gbps"):
         print("floor: a raw broadcast of the same buckets over the same groups, best of 3, same run;\n"
-              "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'")
+              "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'.\n"
+              "Why the ratio is far from 1 here: this model is a few MB on a CPU whose processes share\n"
+              "its cores, so an update is dominated by fixed costs the floor does not pay (the FSDP\n"
+              "gathers, the header and status round trips, every rank's check). On GPUs with real\n"
+              "models weightbus runs at 1.1-1.3x of its floor: benchmarks/RESULTS.md, `weightbus bench`.")
     return _verified(rows, args.json)
 
 

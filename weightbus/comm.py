@@ -102,3 +102,8 @@ def allreduce_max(pg: Any, tensor: torch.Tensor) -> Any:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     return pg.allreduce([tensor], opts)
+
+
+#: ``all_gather_into_tensor`` under its current name: torch 2.13 renamed it
+#: ``all_gather_single`` and warns on the old one (older torches only have the old one).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightbus import comm
 from weightbus.errors import PlanError
 from weightbus.plan import Manifest, TensorMeta
 
@@ -146,10 +147,10 @@ class ModuleSource:
             from torch.distributed.distributed_c10d import _coalescing_manager
             with _coalescing_manager(group=pg, device=group[0][3].device, async_ops=True) as cm:
                 for (_, _, _, target), shard in zip(group, shards, strict=True):
-                    dist.all_gather_into_tensor(target, shard, group=pg)
+                    comm.all_gather_single(target, shard, group=pg)
             cm.wait()  # the stream waits (not the host): the next group's casts come after
         else:
-            works = [dist.all_gather_into_tensor(target, shard, group=t.device_mesh.get_group(),
+            works = [comm.all_gather_single(target, shard, group=t.device_mesh.get_group(),
                                                  async_op=True)
                      for (_, _, t, target), shard in zip(group, shards, strict=True)]
             for w in works:
@@ -196,7 +197,7 @@ def _gather(t: Any, wire: torch.dtype, to: int | None) -> torch.Tensor | None:
     # so the full tensor is the first n rows of the concatenation
     if to is None:
         full = padded.new_empty((world * rows, *t.shape[1:]))
-        dist.all_gather_into_tensor(full, padded, group=group)
+        comm.all_gather_single(full, padded, group=group)
         return full[:n]
     pieces = [torch.empty_like(padded) for _ in range(world)] if me == to else None
     dist.gather(padded, pieces, dst=dist.get_global_rank(group, to), group=group)

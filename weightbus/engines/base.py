@@ -376,6 +376,9 @@ class BucketEngine(CheckpointEngine):
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
         self._stamper = buffers.Stamper()
         self.n_senders = 1
+        #: called after every bucket this rank sent or received: ``(buckets done, buckets
+        #: of the update)`` (a trainer rank counts only the buckets it sends)
+        self.progress: Callable[[int, int], None] | None = None
         self._packer_of: buffers.Packer | None = None
         self._assembler_of: buffers.Assembler | None = None
         self._assembler_for: tuple[Any, Any] = (None, None)
@@ -519,12 +522,16 @@ class BucketEngine(CheckpointEngine):
             error = f"{self.where()}: reading the weight stream: {e}"
         version, manifest = self._exchange_header(
             version, stream.manifest if stream else None, error)
+        _log.debug("%s: version %d: header agreed after %.3f s", self.where(), version,
+                   time.perf_counter() - start)
         if stream is not None and error is None and stream.manifest.fingerprint != manifest.fingerprint:
             error = (f"{self.where()}: its weight stream differs from the sender root's "
                      f"{manifest.first_difference(stream.manifest)}")
         if stream is not None and stream.strict_dtype:
             self._stream_manifest = stream.manifest
         error, wire, buckets = self._transfer(manifest, stream if error is None else None, version, error)
+        _log.debug("%s: version %d: %d buckets out after %.3f s", self.where(), version, buckets,
+                   time.perf_counter() - start)
         await asyncio.sleep(0)
         if error and stream is not None and stream.strict_dtype:
             self._stream_manifest = None  # relearn a plain stream's manifest next time
@@ -562,7 +569,8 @@ class BucketEngine(CheckpointEngine):
             if stream is not None and held is None else None
         strict = stream.strict_dtype if stream is not None else False
         current: tuple[int, torch.Tensor | None] = (-1, None)
-        wire = 0
+        wire = sent = 0
+        mine_total = sum(1 for b in plan.buckets if self._packs(b)) if self.progress is not None else 0
         for b in plan.buckets:
             mine = self._packs(b)
             slot = self._acquire(b) if mine else None
@@ -597,6 +605,9 @@ class BucketEngine(CheckpointEngine):
                                     buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
                 self._send(b, slot)  # type: ignore[arg-type]
                 wire += b.wire_bytes
+                sent += 1
+                if self.progress is not None:
+                    self._report_progress(sent, mine_total)
         packer.done_with(current[0])
         if it is not None and error is None:
             extra = next(it, None)
@@ -620,6 +631,12 @@ class BucketEngine(CheckpointEngine):
             self._assembler_for = (plan, self._dest)
         self._assembler_of.reset()
         return self._assembler_of
+
+    def _report_progress(self, done: int, total: int) -> None:
+        try:
+            self.progress(done, total)  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - a broken callback must not break the update
+            _log.warning("%s: the progress callback raised (ignored): %r", self.where(), e)
 
     def _forget_views(self) -> None:
         """The bucket slots changed (freed, reallocated or mapped anew): views of the old
@@ -711,6 +728,8 @@ class BucketEngine(CheckpointEngine):
                 except Exception as e:  # noqa: BLE001
                     error = f"{self.where()}: releasing bucket {b.index}: {e}"
             self._release(b)
+            if self.progress is not None:
+                self._report_progress(b.index + 1, len(buckets))
             nxt = b.index + self.num_buffers
             if nxt < len(buckets):
                 self._post_recv(buckets[nxt])

@@ -3,6 +3,7 @@ through a TCPStore (used to pass engine metadata between prepare and init)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import time
@@ -14,16 +15,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from weightbus.engines.base import CheckpointEngine
-from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, as_timedelta
+from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError, as_timedelta
 
 
 class Rendezvous:
     """All-gather of picklable objects among ``world`` processes over one TCPStore."""
 
     def __init__(self, addr: str, port: int, rank: int, world: int, *,
-                 timeout: float = DEFAULT_TIMEOUT, prefix: str = "rdv"):
+                 timeout: float = DEFAULT_TIMEOUT, prefix: str = "rdv", store: dist.Store | None = None):
         self.rank, self.world, self.prefix = rank, world, prefix
-        self.store = dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
+        self.store = store if store is not None else \
+            dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
         self._round = 0
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -42,6 +44,40 @@ def connect(engine: CheckpointEngine, rdv: Rendezvous, trainer_world_size: int,
     T = trainer_world_size
     kw, i = (t_kw, rdv.rank) if rdv.rank < T else (r_kw, rdv.rank - T)
     engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+
+
+def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollout_world_size: int,
+         master_addr: str, master_port: int, serve: bool | None = None,
+         timeout: float | None = None) -> Rendezvous:
+    """Set up ``engine`` on this rank in one call: the whole prepare -> exchange ->
+    build_topology -> init sequence, every rank calling it with its own ``rank``
+    (trainers ``0..T-1``, then rollouts ``T..T+R-1``).
+
+    Rank 0 serves the rendezvous store at ``master_port`` (or, under ``torchrun``, every
+    rank uses the store torchrun's agent already serves there; ``serve`` overrides);
+    the others connect to ``master_addr:master_port``. A rank that cannot reach it fails
+    within ``timeout`` (default: the engine's) with an error naming the address. Returns
+    the rendezvous (keep it to exchange more small objects)."""
+    if not 0 <= rank < trainer_world_size + rollout_world_size:
+        raise WeightbusError(f"rank {rank} is outside the {trainer_world_size} trainer + "
+                             f"{rollout_world_size} rollout ranks")
+    timeout = engine.timeout if timeout is None else float(timeout)
+    if serve is None:  # torchrun's agent serves a store at MASTER_PORT for its workers
+        serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    where = f"rank {rank} ({'trainer' if rank < trainer_world_size else 'rollout'})"
+    try:
+        store = dist.TCPStore(master_addr if not serve else "0.0.0.0", master_port, None, serve,
+                              timeout=as_timedelta(timeout), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - one line that names the address, not a C++ frame dump
+        what = "serve the rendezvous store on port" if serve else "reach the rendezvous store at"
+        raise WeightSyncError(f"{where}: cannot {what} {master_addr}:{master_port} within {timeout:.0f}s "
+                              f"({type(e).__name__}: {str(e).splitlines()[0]}); is rank 0 running "
+                              f"and the port right?") from None
+    rdv = Rendezvous(master_addr, master_port, rank, trainer_world_size + rollout_world_size,
+                     prefix="weightbus/join", store=store)
+    connect(engine, rdv, trainer_world_size, rollout_world_size)
+    engine._join_store = store  # type: ignore[attr-defined]  # rank 0 keeps serving it
+    return rdv
 
 
 def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
