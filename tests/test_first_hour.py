@@ -115,3 +115,10 @@ def test_progress_callback_on_both_sides(port):
     total = sent[-1][1]
     assert total > 3 and sent == [(i, total) for i in range(1, total + 1)] == got
     assert "ok" in ok0 and "ok" in ok1  # a raising callback is logged, not fatal
+
+
+def test_demo_says_why_it_is_far_from_its_floor():
+    rc, text, _ = _cli("demo", "--steps", "1", "--dim", "64", "--layers", "1", "--trainers", "1",
+                       "--rollouts", "1")
+    assert rc == 0 and "bitwise OK" in text
+    assert "Why the ratio is far from 1 here" in text and "benchmarks/RESULTS.md" in text
