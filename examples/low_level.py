@@ -61,8 +61,10 @@ def rank_main(args: argparse.Namespace) -> None:
             what = f"loaded {report.loaded} tensors ({report.bytes / 1e6:.2f} MB)"
         held = rdv.all_gather(bits(model))
         assert len(set(held)) == 1, f"rank {rank}: version {step} differs across ranks: {held}"
-        print(f"rank {rank} ({'trainer' if trainer else 'rollout'}): version {engine.version}: {what}; "
-              f"every rank holds {held[0]}", flush=True)
+        line = (f"rank {rank} ({'trainer' if trainer else 'rollout'}): version {engine.version}: {what}; "
+                f"every rank holds {held[0]}\n")
+        sys.stdout.write(line)  # one write per line: the ranks share the terminal
+        sys.stdout.flush()
     engine.finalize(destroy_group=True)
 
 
