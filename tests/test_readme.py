@@ -1,6 +1,7 @@
 """The README is a contract: every Python block in README.md and docs/ runs as written
 (under the launcher its ``<!-- run: ... -->`` line names), or is marked as a fragment
-whose runnable twin exists and is run by the suite. The low-level example runs here too."""
+whose runnable twins exist and are run by CI; every shell block is such a fragment (its
+commands are what CI itself runs). The low-level example runs here too."""
 
 import os
 import re
@@ -12,25 +13,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```python\n(.*?)^```", re.M | re.S)
+BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```(python|bash|sh|shell)\n(.*?)^```", re.M | re.S)
 
 
 def blocks():
     for doc in DOCS:
         for i, m in enumerate(BLOCK.finditer(doc.read_text())):
-            yield pytest.param(m.group(1) or "", m.group(2), id=f"{doc.name}-{i}")
+            yield pytest.param(m.group(1) or "", m.group(2), m.group(3), id=f"{doc.name}-{m.group(2)}-{i}")
 
 
 def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-@pytest.mark.parametrize("marker,code", list(blocks()))
-def test_readme_block_runs_or_has_a_twin(marker, code, tmp_path):
-    twin = re.match(r"<!-- fragment: runnable twin (\S+)", marker)
-    if twin:
-        assert (ROOT / twin.group(1)).is_file(), f"the fragment's twin {twin.group(1)} is missing"
+@pytest.mark.parametrize("marker,lang,code", list(blocks()))
+def test_readme_block_runs_or_has_a_twin(marker, lang, code, tmp_path):
+    twins = re.match(r"<!-- fragment: runnable twins? ([^(]+?)\s*(?:\(|-->)", marker)
+    if twins:
+        for twin in twins.group(1).split():
+            assert (ROOT / twin).is_file(), f"the fragment's twin {twin} is missing"
         return
+    assert lang == "python", f"a {lang} block must name its runnable twins (<!-- fragment: ... -->):\n{code}"
     script = tmp_path / "block.py"
     script.write_text(code)
     run = re.match(r"<!-- run: (.*?) -->", marker)
