@@ -28,7 +28,7 @@ def _demo(args: argparse.Namespace) -> int:
     if rows and rows[0].get("floor_gbps"):
         print("floor: a raw broadcast of the same buckets over the same groups, best of 3, same run;\n"
               "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'.\n"
-              "Why the ratio is far from 1 here: this model is a few MB on a CPU whose processes share\n"
+              "Why the ratio is far from 1 here: a small model (tens of MB) on a CPU whose processes share\n"
               "its cores, so an update is dominated by fixed costs the floor does not pay (the FSDP\n"
               "gathers, the header and status round trips, every rank's check). On GPUs with real\n"
               "models the NCCL path runs at 1.13-1.24x of a raw broadcast: benchmarks/RESULTS.md.")
