@@ -24,6 +24,7 @@ import time
 import torch
 
 from weightbus import presets
+from weightbus.bench import BenchConfig, _bulk_cast_copy
 from weightbus.buffers import CopyList
 
 
@@ -103,17 +104,9 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     srcs = [torch.randn(s, device=dev, generator=g).to(src_dtype) for s in shapes]
     dsts = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
-    total = sum(t.numel() for t in srcs)
-    gb = total * 2 / 1e9
-    n = min(total, 1 << 28)
-    fsrc, fdst = torch.empty(n, dtype=src_dtype, device=dev), torch.empty(n, dtype=torch.bfloat16, device=dev)
-
-    def floor() -> None:
-        done = 0
-        while done < total:
-            k = min(n, total - done)
-            fdst[:k].copy_(fsrc[:k])
-            done += k
+    gb = sum(t.numel() for t in srcs) * 2 / 1e9
+    floor = _bulk_cast_copy(BenchConfig(scenario="colocated", preset=a.preset, layers=a.layers,
+                                        trainer_dtype=a.dtype, gpu=True), dev)  # the bench's floor
 
     want = [s.to(torch.bfloat16) for s in srcs]
     groups, cur, size = [], [], 0
