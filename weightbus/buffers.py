@@ -242,27 +242,21 @@ class Packer:
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # split source
 
     def pack_bucket(self, slot: torch.Tensor, b: Bucket, tensors: list[torch.Tensor | None]) -> None:
-        """``tensors[i]`` is the stream's tensor for chunk ``i`` of ``b`` (None: no data,
-        left out)."""
+        """``tensors[i]`` is the stream's tensor for chunk ``i`` of ``b`` (None only for a
+        chunk with no bytes: the engine refuses a missing tensor before packing)."""
         key = (slot.data_ptr(), b.index)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._programs[key] = _PackProgram(self.plan, slot, b)
         metas = self.plan.manifest.metas
-        srcs = [tensors[p] for p in prog.whole_pos]
-        if any(t is None for t in srcs):  # a source that left some out: the general path
-            keep = [i for i, t in enumerate(srcs) if t is not None]
-            copy_group([prog.whole.dsts[i] for i in keep], [srcs[i] for i in keep],
-                       lambda k: metas[b.chunks[prog.whole_pos[keep[k]]].index].describe())
-        else:
-            prog.whole.run(srcs, lambda k: metas[b.chunks[prog.whole_pos[k]].index].describe())  # type: ignore[arg-type]
+        prog.whole.run([tensors[p] for p in prog.whole_pos],  # type: ignore[misc]
+                       lambda k: metas[b.chunks[prog.whole_pos[k]].index].describe())
         for pos, view, first, count in prog.pieces:  # pieces of split tensors: large, one copy each
             t = tensors[pos]
-            if t is not None:
-                if self._flat[0] is not t:  # a split tensor spans buckets: flatten it once
-                    self._flat = (t, t.reshape(-1))
-                copy_group([view], [self._flat[1][first:first + count]],  # type: ignore[index]
-                           lambda k, pos=pos: metas[b.chunks[pos].index].describe())
+            if self._flat[0] is not t:  # a split tensor spans buckets: flatten it once
+                self._flat = (t, t.reshape(-1))  # type: ignore[union-attr]
+            copy_group([view], [self._flat[1][first:first + count]],  # type: ignore[index]
+                       lambda k, pos=pos: metas[b.chunks[pos].index].describe())
 
     def done_with(self, index: int) -> None:
         """The stream moved past tensor ``index``: drop a flattened copy of it."""

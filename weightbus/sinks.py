@@ -109,15 +109,9 @@ class ModuleSink:
     async def load(self, stream: AsyncIterable[tuple[str, torch.Tensor]]) -> LoadReport:
         """Consume an engine's ``receive_weights()`` to the end."""
         report, seen = LoadReport(), set()
-        targets, direct = self.targets, self.name_map is None
         async with contextlib.aclosing(stream) as s:  # type: ignore[type-var]
             async for name, t in s:
-                if direct and targets.get(name) is t:  # written in place by the engine
-                    seen.add(name)
-                    report.loaded += 1
-                    report.bytes += t.nbytes
-                else:
-                    self._load_one(name, t, report, seen)
+                self._load_one(name, t, report, seen)
         return self._close(report, seen)
 
     def load_iter(self, stream: Iterable[tuple[str, torch.Tensor]]) -> LoadReport:
