@@ -72,6 +72,13 @@ class ModuleSource:
             self._items.append((out, t))
             metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
         self.manifest = Manifest(metas)
+        # Tensors with no autograd (a module's state dict) are held by reference: the list
+        # an engine packs from is built once, and stays what the manifest was made from
+        # (an optimizer updates them in place). Parameters are detached per update instead,
+        # so that a swapped ``.data`` is followed.
+        self._plain: list[torch.Tensor] | None = None
+        if not any(_is_dtensor(t) or t.requires_grad for _, t in self._items):
+            self._plain = [t for _, t in self._items]
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         if self.dtype is not None and t.is_floating_point():
@@ -84,6 +91,8 @@ class ModuleSource:
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
         then packs straight from this list, with no per-tensor step; None otherwise."""
+        if self._plain is not None:
+            return self._plain
         if any(_is_dtensor(t) for _, t in self._items):
             return None
         return [_detached(t) for _, t in self._items]

@@ -274,11 +274,15 @@ class _Stream:
         #: tensors: the sender then packs with no per-tensor step at all
         self.tensors = tensors
 
-    def checked_tensors(self) -> list[torch.Tensor] | None:
+    def checked_tensors(self, checked_before: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """:attr:`tensors`, once checked against the manifest in bulk (a mismatch names the
-        tensor), or None where the source has no such list."""
+        tensor), or None where the source has no such list. ``checked_before`` is the list
+        this engine checked on its last update: the same list object (a source that holds
+        its tensors by reference) against the same manifest is not checked again."""
         if self.tensors is None:
             return None
+        if self.tensors is checked_before:
+            return self.tensors
         metas = self.manifest.metas
         tensors = self.tensors
         if len(tensors) != len(metas):
@@ -380,6 +384,7 @@ class BucketEngine(CheckpointEngine):
         #: of the update)`` (a trainer rank counts only the buckets it sends)
         self.progress: Callable[[int, int], None] | None = None
         self._packer_of: buffers.Packer | None = None
+        self._checked: tuple[Manifest, list[torch.Tensor]] | None = None  # see _held_tensors
         self._assembler_of: buffers.Assembler | None = None
         self._assembler_for: tuple[Any, Any] = (None, None)
 
@@ -562,7 +567,7 @@ class BucketEngine(CheckpointEngine):
         held: list[torch.Tensor] | None = None
         if stream is not None and error is None:
             try:
-                held = stream.checked_tensors()
+                held = self._held_tensors(stream)
             except Exception as e:  # noqa: BLE001 - reported to every rank at the end
                 error = f"{self.where()}: {e}"
         it = stream.open(plan, lambda i: self._owners(plan, i), self.rank_in_senders) \
@@ -616,6 +621,14 @@ class BucketEngine(CheckpointEngine):
                         f"first extra {extra[0]!r}"
         self._flush_send(plan)
         return error, wire
+
+    def _held_tensors(self, stream: _Stream) -> list[torch.Tensor] | None:
+        """The stream's tensors where its source holds them all (checked in bulk; not again
+        when the source hands the same list for the same manifest as last time)."""
+        last = self._checked
+        held = stream.checked_tensors(last[1] if last and last[0] is stream.manifest else None)
+        self._checked = (stream.manifest, held) if held is not None else None
+        return held
 
     def _packer(self, plan: BucketPlan) -> buffers.Packer:
         """The plan's packer (its bucket views are made once and reused by every update)."""

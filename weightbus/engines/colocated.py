@@ -383,7 +383,7 @@ class ColocatedEngine(BucketEngine):
         held = None
         if stream is not None and error is None:
             try:
-                held = stream.checked_tensors()
+                held = self._held_tensors(stream)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = f"{self.where()}: {e}"
         if held is not None and error is None:
