@@ -11,6 +11,7 @@ bucket from a stale one or from an abort notice that carries the sender's error 
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -251,7 +252,8 @@ class CopyList:
 
 class _PackProgram:
     """What packing one bucket into one slot takes, worked out once: the views of its
-    whole tensors (and which stream position each takes), and the pieces of split ones."""
+    whole tensors (and which chunk, and which tensor of the manifest, each takes), and the
+    pieces of split ones."""
 
     def __init__(self, plan: BucketPlan, slot: torch.Tensor, b: Bucket):
         metas = plan.manifest.metas
@@ -269,6 +271,12 @@ class _PackProgram:
             else:
                 self.pieces.append((pos, view, c.src_offset // m.itemsize, c.nbytes // m.itemsize))
         self.whole = CopyList(whole_dsts)
+        index = [b.chunks[p].index for p in self.whole_pos]
+        # the whole tensors' sources out of a manifest-ordered list, in one C call
+        self.take: Callable[[list[Any]], list[Any]] = (
+            (lambda held: []) if not index else
+            (lambda held, i=index[0]: [held[i]]) if len(index) == 1 else
+            (lambda held, get=operator.itemgetter(*index): list(get(held))))
 
 
 class Packer:
@@ -280,20 +288,33 @@ class Packer:
         self._programs: dict[tuple[int, int], _PackProgram] = {}
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # split source
 
-    def pack_bucket(self, slot: torch.Tensor, b: Bucket, tensors: list[torch.Tensor | None]) -> None:
-        """``tensors[i]`` is the stream's tensor for chunk ``i`` of ``b`` (None only for a
-        chunk with no bytes: the engine refuses a missing tensor before packing)."""
+    def _program(self, slot: torch.Tensor, b: Bucket) -> _PackProgram:
         key = (slot.data_ptr(), b.index)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._programs[key] = _PackProgram(self.plan, slot, b)
+        return prog
+
+    def pack_bucket(self, slot: torch.Tensor, b: Bucket, tensors: list[torch.Tensor | None]) -> None:
+        """``tensors[i]`` is the stream's tensor for chunk ``i`` of ``b`` (None only for a
+        chunk with no bytes: the engine refuses a missing tensor before packing)."""
+        prog = self._program(slot, b)
+        self._pack(prog, b, [tensors[p] for p in prog.whole_pos],  # type: ignore[misc]
+                   lambda pos: tensors[pos])  # type: ignore[return-value]
+
+    def pack_held(self, slot: torch.Tensor, b: Bucket, held: list[torch.Tensor]) -> None:
+        """The same from every tensor of the manifest, in order (a source that holds them)."""
+        prog = self._program(slot, b)
+        self._pack(prog, b, prog.take(held), lambda pos: held[b.chunks[pos].index])
+
+    def _pack(self, prog: _PackProgram, b: Bucket, whole: list[torch.Tensor],
+              piece_source: Callable[[int], torch.Tensor]) -> None:
         metas = self.plan.manifest.metas
-        prog.whole.run([tensors[p] for p in prog.whole_pos],  # type: ignore[misc]
-                       lambda k: metas[b.chunks[prog.whole_pos[k]].index].describe())
+        prog.whole.run(whole, lambda k: metas[b.chunks[prog.whole_pos[k]].index].describe())
         for pos, view, first, count in prog.pieces:  # pieces of split tensors: large, one copy each
-            t = tensors[pos]
+            t = piece_source(pos)
             if self._flat[0] is not t:  # a split tensor spans buckets: flatten it once
-                self._flat = (t, t.reshape(-1))  # type: ignore[union-attr]
+                self._flat = (t, t.reshape(-1))
             copy_group([view], [self._flat[1][first:first + count]],  # type: ignore[index]
                        lambda k, pos=pos: metas[b.chunks[pos].index].describe())
 

@@ -579,10 +579,8 @@ class BucketEngine(CheckpointEngine):
         for b in plan.buckets:
             mine = self._packs(b)
             slot = self._acquire(b) if mine else None
-            if held is not None:  # every tensor at hand: no per-tensor step
-                tensors: list[torch.Tensor | None] = [held[c.index] for c in b.chunks] if mine else []
-            else:
-                tensors = []
+            tensors: list[torch.Tensor | None] = []
+            if held is None:
                 for c in b.chunks:
                     # every rank walks the whole stream (sharded sources gather collectively)
                     if it is not None and current[0] != c.index:
@@ -603,7 +601,10 @@ class BucketEngine(CheckpointEngine):
             if mine:
                 if error is None:
                     try:
-                        packer.pack_bucket(slot, b, tensors)  # type: ignore[arg-type]
+                        if held is not None:  # every tensor at hand: no per-tensor step
+                            packer.pack_held(slot, b, held)  # type: ignore[arg-type]
+                        else:
+                            packer.pack_bucket(slot, b, tensors)  # type: ignore[arg-type]
                     except Exception as e:  # noqa: BLE001
                         error = f"{self.where()}: bucket {b.index}: {e}"
                 self._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
