@@ -42,21 +42,71 @@ def default_bucket_size(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- allocation
 
 
+_SHM_PREFIX = "wbus_"
+_swept = False
+
+
+def _sweep_stale_segments() -> None:
+    """Unlink segments left by weightbus processes that are gone (a SIGKILLed owner that
+    died before its peers had mapped them, so before it could unlink the name). Once per
+    process; a segment whose owner pid is alive is never touched."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_SHM_PREFIX):
+            continue
+        try:
+            pid = int(name.split("_")[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except OSError:
+                pass
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def shm_room() -> int | None:
+    """Bytes /dev/shm can still hold (None where there is no /dev/shm)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class SharedBuffer:
     """A named POSIX shared-memory segment viewed as a ``uint8`` tensor.
 
-    The creator owns (and unlinks) it; other processes on the host attach by name. The
-    creator registers it with Python's resource tracker (freed if it crashes); attachers
-    map ``/dev/shm/<name>`` directly, because the tracker is shared with spawned children
-    and would otherwise unlink or double-count the creator's segment.
+    The creator owns it; other processes on the host attach by name. Once every peer has
+    mapped it, the owner unlinks the name (:meth:`unlink`): the memory lives on while
+    mapped and goes away with the last process that maps it, however each one dies, so
+    nothing is left in /dev/shm. Before that point a crashed owner's segment is swept by
+    the next weightbus process on the host (names carry the owner's pid). Attachers map
+    ``/dev/shm/<name>`` directly, because Python's resource tracker is shared with spawned
+    children and would otherwise unlink or double-count the creator's segment.
     """
 
     def __init__(self, nbytes: int, name: str | None = None):
         self.owner = name is None
         self._shm: shared_memory.SharedMemory | None = None
         self._map: mmap.mmap | None = None
+        self.linked = True
         if self.owner:
-            name = f"wbus_{os.getpid()}_{secrets.token_hex(6)}"
+            _sweep_stale_segments()
+            room = shm_room()
+            if room is not None and nbytes > room:
+                raise PlanError(f"a {nbytes / MiB:.0f} MiB shared-memory bucket does not fit: /dev/shm has "
+                                f"{room / MiB:.0f} MiB free; use a smaller bucket_size (or num_buffers), "
+                                f"or give the host (container) a larger /dev/shm")
+            name = f"{_SHM_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
             buf = self._shm.buf
         else:
@@ -70,6 +120,15 @@ class SharedBuffer:
         self.nbytes = nbytes
         self.tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
+    def unlink(self) -> None:
+        """Owner: remove the name (every peer has mapped the segment); the memory stays."""
+        if self.owner and self._shm is not None and self.linked:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self.linked = False
+
     def close(self) -> None:
         if self._shm is None and self._map is None:
             return
@@ -81,11 +140,7 @@ class SharedBuffer:
                 self._map.close()
         except BufferError:  # a view is still alive somewhere; the unlink below still frees it
             pass
-        if self.owner and self._shm is not None:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+        self.unlink()
         self._shm, self._map = None, None
 
     def __del__(self) -> None:

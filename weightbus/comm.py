@@ -9,6 +9,8 @@ join a weightbus group.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from typing import Any
 
 import torch
@@ -49,11 +51,48 @@ def serve_store(timeout: float) -> dist.TCPStore:
 
 
 def connect_store(addr: str, port: int, timeout: float, where: str) -> dist.TCPStore:
-    try:
-        return dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} "
-                              f"within {timeout:.0f}s: {e}") from e
+    """A client of the store at ``addr:port``, within ``timeout`` seconds.
+
+    First a plain TCP connect, retried until the deadline (the owner may start later).
+    Then the store's own handshake, which TCPStore's timeout does not cover: a program that
+    accepts connections and never answers (another server on that port) would block the
+    constructor forever, so it runs on a daemon thread that this call stops waiting for at
+    the deadline (left behind, blocked in a read)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic())):
+                break
+        except OSError as e:
+            if time.monotonic() + delay >= deadline:
+                raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} within "
+                                      f"{timeout:.0f}s ({e}); is its owner running, and the address "
+                                      f"right?") from None
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+    box: list[Any] = []
+
+    def build() -> None:
+        try:
+            box.append(dist.TCPStore(addr, port, None, False,
+                                     timeout=as_timedelta(max(1.0, deadline - time.monotonic()))))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+
+    t = threading.Thread(target=build, name=f"wb-store-{addr}:{port}", daemon=True)
+    t.start()
+    t.join(max(1.0, deadline - time.monotonic()) + 1.0)
+    if not box:
+        raise WeightSyncError(f"{where}: the rendezvous store at {addr}:{port} did not answer within "
+                              f"{timeout:.0f}s: something accepts connections there but does not speak "
+                              f"the store protocol (another program on that port?)")
+    if isinstance(box[0], BaseException):
+        e = box[0]
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} within "
+                              f"{timeout:.0f}s ({type(e).__name__}: {first})") from None
+    return box[0]
 
 
 def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int,

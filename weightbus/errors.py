@@ -7,12 +7,6 @@ update and, where one is involved, the tensor.
 from __future__ import annotations
 
 import datetime
-import os
-
-#: Default deadline, in seconds, of every blocking wait (a collective, a handshake, a
-#: rendezvous). Override per engine with ``timeout=`` or globally with
-#: ``WEIGHTBUS_TIMEOUT``.
-DEFAULT_TIMEOUT: float = float(os.environ.get("WEIGHTBUS_TIMEOUT", "120"))
 
 
 class WeightbusError(RuntimeError):
@@ -23,12 +17,26 @@ class PlanError(WeightbusError, ValueError):
     """Bad input to the bucket plan: duplicate names, bucket too small, bad tensors."""
 
 
+class ConfigError(WeightbusError, ValueError):
+    """A bad option or environment variable, named with its value and what is allowed."""
+
+
 class ManifestMismatch(WeightbusError):
     """Two sides disagree on the ordered list of tensors (name, dtype, shape)."""
 
 
 class WeightSyncError(WeightbusError):
     """An update failed; raised on every rank of the update with the same reason."""
+
+
+class UpdateFailed(WeightSyncError):
+    """A manager's update failed. Every replica still alive was resumed on the weights it
+    holds; :attr:`versions` says which version each replica holds (None: none, or torn)."""
+
+    def __init__(self, message: str, versions: dict[str, int | None], resumed: list[str]):
+        super().__init__(message)
+        self.versions = versions
+        self.resumed = resumed
 
 
 class SinkError(WeightbusError):

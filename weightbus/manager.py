@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from weightbus import comm
+from weightbus import comm, config
 from weightbus.engines.base import CheckpointEngineRegistry
-from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError
+from weightbus.errors import UpdateFailed, WeightbusError, WeightSyncError
 from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
 
 
@@ -61,13 +61,13 @@ class CheckpointEngineManager:
     """
 
     def __init__(self, backend: str, trainer: WorkerGroup, replicas: Sequence[WorkerGroup] = (), *,
-                 timeout: float = DEFAULT_TIMEOUT, pause_mode: str = "abort", hybrid: bool = False,
+                 timeout: float | None = None, pause_mode: str = "abort", hybrid: bool = False,
                  **engine_kwargs: Any):
         self.engine_cls = CheckpointEngineRegistry.get(backend)  # unknown names fail here
         self.backend = backend
         self.trainer = trainer
         self.replicas: list[WorkerGroup] = []
-        self.timeout = float(timeout)
+        self.timeout = config.timeout(timeout)
         self.pause_mode = pause_mode
         self.hybrid = hybrid
         self.engine_kwargs = {"timeout": self.timeout, **engine_kwargs}
@@ -76,6 +76,7 @@ class CheckpointEngineManager:
         self._formed_for: tuple[int, ...] | None = None  # membership the group was formed for
         self._store: Any = None  # the rendezvous store every rank connects through
         self._formations = 0
+        self._lost: list[tuple[WorkerGroup, str]] = []  # groups the last failed wait lost
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -103,21 +104,45 @@ class CheckpointEngineManager:
             self._setup.discard(id(match[0]))
 
     def versions(self) -> dict[str, int | None]:
-        """The version each replica fully holds (None: none, or its last update failed)."""
-        out = {}
-        for rep in self.replicas:
+        """The version each replica fully holds (None: none, or its last update failed
+        after it began writing). Asked of every replica at once, under one deadline."""
+        return self._versions(self.replicas)
+
+    def _versions(self, replicas: Sequence[WorkerGroup]) -> dict[str, int | None]:
+        pending = [(rep, rep.submit("wb_version")) for rep in replicas]
+        deadline = time.monotonic() + self.timeout
+        out: dict[str, int | None] = {}
+        for rep, p in pending:
             try:
-                got = rep.submit("wb_version").result(self.timeout)
+                got = p.result(max(0.1, deadline - time.monotonic()))
                 out[rep.name] = None if any(v is None for v in got) or len(set(got)) != 1 else got[0]
             except WorkerError:
                 out[rep.name] = None
         return out
 
+    def _try_all(self, groups: Sequence[WorkerGroup], method: str) -> dict[str, str | None]:
+        """Call ``method`` on every group at once, under one deadline; never raises:
+        returns each group's error (None: it succeeded)."""
+        pending = [(g, g.submit(method)) for g in groups]
+        deadline = time.monotonic() + self.timeout
+        out: dict[str, str | None] = {}
+        for g, p in pending:
+            try:
+                p.result(max(0.1, deadline - time.monotonic()))
+                out[g.name] = None
+            except WorkerError as e:
+                out[g.name] = str(e).splitlines()[0][:200]
+        return out
+
     # --- the update -----------------------------------------------------------------------
     def update_weights(self, version: int | None = None) -> UpdateReport:
+        """Pause every replica, move the weights, resume. On failure every replica that is
+        still alive is resumed (on the weights it holds) before this raises
+        :class:`UpdateFailed`, which names the cause and says which replica holds which
+        version (None: none, or a torn one)."""
         if not self.replicas:
             raise WeightbusError("no rollout replica to update")
-        version = self.version + 1 if version is None else int(version)
+        version = self.version + 1 if version is None else config.version(version)
         report = UpdateReport(version, replicas=[r.name for r in self.replicas])
         clock = time.perf_counter()
 
@@ -127,20 +152,34 @@ class CheckpointEngineManager:
             report.phases[name] = now - clock
             clock = now
 
-        self._all(self.replicas, "pause_generation", version, kwargs={"mode": self.pause_mode})
-        if self.hybrid:
-            self._all(self.replicas, "wake_up", version)
-        phase("pause")
-        membership = tuple(id(r) for r in self.replicas)
-        if membership != self._formed_for:
-            self._form(version)
-            report.rebuilt = True
-        phase("setup")
-        sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
-        recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
-        results = self._wait([(self.trainer, sends), *zip(self.replicas, recvs, strict=True)],
-                             f"update to version {version}", self.timeout * 1.5)
-        phase("transfer")
+        try:
+            self._all(self.replicas, "pause_generation", version, kwargs={"mode": self.pause_mode})
+            if self.hybrid:
+                self._all(self.replicas, "wake_up", version)
+            phase("pause")
+            membership = tuple(id(r) for r in self.replicas)
+            if membership != self._formed_for:
+                self._form(version)
+                report.rebuilt = True
+            phase("setup")
+            sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
+            recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
+            results = self._wait([(self.trainer, sends), *zip(self.replicas, recvs, strict=True)],
+                                 f"update to version {version}", self.timeout * 1.5)
+            phase("transfer")
+        except WeightSyncError as e:
+            self._formed_for = None  # the next update re-forms the group
+            # a replica that died or hangs answers nothing (a hung one would keep the next
+            # calls waiting behind it): the others are resumed, and asked what they hold
+            lost = {id(g): why for g, why in self._lost}
+            alive = [r for r in self.replicas if id(r) not in lost]
+            resumed = self._try_all(alive, "resume_generation")
+            resumed.update({r.name: lost[id(r)] for r in self.replicas if id(r) in lost})
+            held = self._versions(alive) | {r.name: None for r in self.replicas if id(r) in lost}
+            ok = [n for n, err in resumed.items() if err is None]
+            raise UpdateFailed(f"{e}. Resumed: {', '.join(ok) or 'none'}"
+                               + "".join(f"; {n} not resumed ({err})" for n, err in resumed.items() if err)
+                               + f". Versions held: {held}", held, ok) from e
         report.bytes = results[0][0]["bytes"]  # the payload every rollout rank received
         self.version = version
         self._all(self.replicas, "resume_generation", version)
@@ -184,6 +223,7 @@ class CheckpointEngineManager:
         that died or hung first (the others' errors are usually their consequence)."""
         deadline = time.monotonic() + timeout
         results, errors = [], []
+        self._lost = []
         for group, p in pending:
             try:
                 results.append(p.result(max(0.1, deadline - time.monotonic())))
@@ -193,6 +233,7 @@ class CheckpointEngineManager:
         if errors:
             self._formed_for = None  # the next update re-forms the group
             lost = [(g, e) for g, e in errors if {"died", "timed out"} & set(e.kinds.values())]
+            self._lost = [(g, "died" if "died" in e.kinds.values() else "hung") for g, e in lost]
             first = lost or errors
             names = ", ".join(self._label(g) for g, _ in first)
             detail = " | ".join(str(e) for _, e in first + [x for x in errors if x not in first])

@@ -107,7 +107,9 @@ class Manifest:
         """A signed 63-bit digest of (name, dtype, shape) of every tensor, in order."""
         h = hashlib.blake2b(digest_size=8)
         for m in self.metas:
-            h.update(f"{m.name}\0{m.dtype}\0{','.join(map(str, m.shape))}\n".encode())
+            name = m.name.encode()  # length-prefixed: no name can run into the next field
+            h.update(b"%d:%s\0%s\0%s\n" % (len(name), name, str(m.dtype).encode(),
+                                             ",".join(map(str, m.shape)).encode()))
         return struct.unpack("<q", h.digest())[0] & 0x7FFF_FFFF_FFFF_FFFF
 
     def to_bytes(self) -> bytes:
@@ -178,7 +180,7 @@ class BucketPlan:
             raise PlanError(f"n_senders must be >= 1, got {n_senders}")
         if len(manifest) == 0:
             raise PlanError("empty weight stream: there is nothing to send")
-        capacity = bucket_size - TRAILER_BYTES
+        capacity = (bucket_size - TRAILER_BYTES) // 8 * 8  # the trailer starts 8-aligned after it
         if capacity < ALIGNMENT:
             raise PlanError(
                 f"bucket_size={bucket_size} is too small: it must hold at least one "

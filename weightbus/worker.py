@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.errors import WeightbusError
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
@@ -75,16 +76,40 @@ class WeightbusWorker(EngineHost):
     # --- driven by the manager ----------------------------------------------------------------
     async def wb_send(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"
-        stats = await self._wb_engine.send_weights(self.weights_source(), version=version)
+        try:
+            source: Any = self.weights_source()
+        except Exception as e:  # noqa: BLE001 - every rank hears it at the header, at once
+            source = _Unavailable(e)
+        stats = await self._wb_engine.send_weights(source, version=version)
         self.weights_version = version
         return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors}
 
     async def wb_receive(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"
+        engine = self._wb_engine
         start = time.perf_counter()
-        self.weights_version = None  # from the first byte on, the old version is gone
-        report = await self.weights_sink().load(self._wb_engine.receive_weights())
-        if self._wb_engine.version != version:
-            raise RuntimeError(f"received version {self._wb_engine.version}, expected {version}")
+        try:
+            report = await self.weights_sink().load(engine.receive_weights())
+        except BaseException:
+            # untouched (the update failed before a byte was written): the old version
+            # stands; otherwise this worker holds no whole version
+            held = engine.version
+            self.weights_version = held if held is not None and held != version else None
+            raise
+        if engine.version != version:
+            self.weights_version = None
+            raise RuntimeError(f"received version {engine.version}, expected {version}")
         self.weights_version = version
         return {"seconds": time.perf_counter() - start, "bytes": report.bytes, "tensors": report.loaded}
+
+
+class _Unavailable:
+    """Stands in for a trainer's source that could not be made: the update aborts at its
+    header on every rank, naming why, instead of the rollouts waiting out their deadline."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    @property
+    def manifest(self) -> Any:
+        raise WeightbusError(f"weights_source() raised {type(self.error).__name__}: {self.error}")

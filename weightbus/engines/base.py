@@ -17,6 +17,7 @@ is left blocked; a peer that dies or hangs trips the group's deadline instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -27,9 +28,9 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
-from weightbus import buffers, comm
-from weightbus.errors import DEFAULT_TIMEOUT, PlanError, WeightbusError, WeightSyncError
-from weightbus.plan import Bucket, BucketPlan, Manifest, TensorMeta
+from weightbus import buffers, comm, config
+from weightbus.errors import PlanError, WeightbusError, WeightSyncError
+from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Bucket, BucketPlan, Manifest, TensorMeta
 
 Role = Literal["trainer", "rollout"]
 @runtime_checkable
@@ -109,22 +110,25 @@ class CheckpointEngine(ABC):
     backend: str = ""
 
     def __init__(self, bucket_size: int | None = None, *, device: str | torch.device | None = None,
-                 num_buffers: int = 2, timeout: float = DEFAULT_TIMEOUT, role: Role | None = None):
-        if bucket_size is not None and bucket_size <= 0:
-            raise PlanError(f"bucket_size must be positive, got {bucket_size}")
-        if num_buffers < 1:
-            raise PlanError(f"num_buffers must be >= 1, got {num_buffers}")
+                 num_buffers: int = 2, timeout: float | None = None, role: Role | None = None):
+        # every option is checked here, where it is given, not deep in an update
+        self._bucket_size = config.bucket_size(bucket_size, alignment=ALIGNMENT, trailer=TRAILER_BYTES)
+        self.num_buffers = config.integer(num_buffers, "num_buffers", minimum=1, maximum=64)
+        self.timeout = config.timeout(timeout)
         if role not in (None, "trainer", "rollout"):
             raise PlanError(f"role must be 'trainer' or 'rollout', got {role!r}")
-        self.device = torch.device(device) if device is not None else _default_device()
-        self._bucket_size = bucket_size
-        self.num_buffers = num_buffers
-        self.timeout = float(timeout)
+        try:
+            self.device = torch.device(device) if device is not None else _default_device()
+        except (RuntimeError, TypeError) as e:
+            raise PlanError(f"device={device!r} is not a device: {e}") from None
         self.role: Role | None = role
-        #: version of the last update this engine completed (sent or fully received)
-        self.version = 0
+        #: version of the last update this engine completed (sent or fully received);
+        #: None on a receiver whose last update failed after it began writing: what it
+        #: holds may be part old, part new (torn) until an update completes
+        self.version: int | None = 0
         self.last_stats: UpdateStats | None = None
         self._dest: dict[str, torch.Tensor] | None = None
+        self._busy: dict[str, bool] = {}  # direction -> an update is under way
 
     @property
     def bucket_size(self) -> int:
@@ -170,6 +174,26 @@ class CheckpointEngine(ABC):
 
     def where(self) -> str:
         return f"{self.backend or type(self).__name__} {self.role or '?'} rank {getattr(self, 'rank', '?')}"
+
+    @contextlib.contextmanager
+    def _exclusive(self, direction: str) -> Iterator[None]:
+        """One update at a time per direction: a second one started while the first runs
+        would interleave with its messages and corrupt both."""
+        if self._busy.get(direction):
+            raise WeightSyncError(f"{self.where()}: {direction} started while another {direction} is "
+                                  f"still under way on this engine; finish (await or exhaust) the "
+                                  f"first one before the next update")
+        self._busy[direction] = True
+        try:
+            yield
+        finally:
+            self._busy[direction] = False
+
+    def _next_version(self, version: Any) -> int:
+        """The version a send carries: the one given (checked), else one more than the last."""
+        if version is None:
+            return (self.version or 0) + 1
+        return config.version(version)
 
     def buffer_metadata(self) -> dict[str, Any]:
         """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""
@@ -517,8 +541,12 @@ class BucketEngine(CheckpointEngine):
     # --- sender ------------------------------------------------------------------------
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
         self._check_ready("trainer")
+        version = self._next_version(version)
+        with self._exclusive("send_weights"):
+            return await self._send_update(weights, version)
+
+    async def _send_update(self, weights: Weights, version: int) -> UpdateStats:
         start = time.perf_counter()
-        version = self.version + 1 if version is None else int(version)
         error: str | None = None
         stream: _Stream | None = None
         try:
@@ -712,6 +740,12 @@ class BucketEngine(CheckpointEngine):
                       on_release: Callable[[torch.Tensor], None] | None = None,
                       on_complete: Completion | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        with self._exclusive("receive_weights"):
+            yield from self._receive_update(expected, validate, on_release, on_complete)
+
+    def _receive_update(self, expected: Manifest | None, validate: Validator | None,
+                        on_release: Callable[[torch.Tensor], None] | None,
+                        on_complete: Completion | None) -> Iterator[tuple[str, torch.Tensor]]:
         start, version, manifest, error = self._open_receive(expected, validate)
         plan = self._plan(manifest)
         closed = False
@@ -725,6 +759,7 @@ class BucketEngine(CheckpointEngine):
             if status != buffers.STATUS_OK and error is None:
                 error = msg or f"{self.where()}: bucket {b.index} arrived with status {status}"
             if error is None and not closed:
+                self.version = None  # from the first byte written on, the old version is gone
                 try:
                     for item in assembler.unpack(slot, b):
                         try:

@@ -94,6 +94,11 @@ class ColocatedEngine(BucketEngine):
             # a fresh namespace per prepare(): members that join later never meet the
             # group counters of an earlier membership
             self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
+            if any(not sb.linked for sb in self._shared):  # unlinked: new members cannot map them
+                self._forget_views()
+                for sb in self._shared:
+                    sb.close()
+                self._shared, self._slots = [], []
             self._allocate_slots()
             meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
         elif self._dest is not None and self._want_direct and self._can_export(self._dest):
@@ -224,6 +229,11 @@ class ColocatedEngine(BucketEngine):
         self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, world_size,
                                    self.timeout, None, self.where())
         self._ctl_rank = rank
+        # every rank has joined, so every rollout has mapped the slots (it maps them before
+        # joining): their names can go, and nothing is left in /dev/shm whoever dies later
+        for sb in self._shared:
+            if sb.owner:
+                sb.unlink()
         self._direct = bool(direct)
         if self._direct:
             # trainer: map each paired rollout rank's tensors once; rollout: nothing to map
@@ -266,8 +276,12 @@ class ColocatedEngine(BucketEngine):
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
         if not self._local:
             return await super().send_weights(weights, version=version)
+        version = self._next_version(version)
+        with self._exclusive("send_weights"):
+            return await self._send_local(weights, version)
+
+    async def _send_local(self, weights: Weights, version: int) -> UpdateStats:
         start = time.perf_counter()
-        version = self.version + 1 if version is None else int(version)
         stream = resolve_stream(weights, None)
         manifest = stream.manifest
         queue = self._local_queue()
@@ -324,6 +338,11 @@ class ColocatedEngine(BucketEngine):
             async for item in super().receive_weights(expected=expected):
                 yield item
             return
+        with self._exclusive("receive_weights"):
+            async for item in self._receive_local(expected):
+                yield item
+
+    async def _receive_local(self, expected: Manifest | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         queue = self._local_queue()
         try:
             kind, version, manifest = await asyncio.wait_for(queue.get(), self.timeout)
@@ -333,6 +352,7 @@ class ColocatedEngine(BucketEngine):
         try:
             if expected is not None:
                 expected.check_same(manifest, f"{self.where()}: incoming version {version}")
+            self.version = None  # the consumer writes as tensors arrive: torn until the end
             while True:
                 name, t = await asyncio.wait_for(queue.get(), self.timeout)
                 if name is _DONE:
@@ -450,7 +470,13 @@ class ColocatedEngine(BucketEngine):
     def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None,
                         on_complete: Callable[[], None] | None = None) -> Any:
         self._check_ready("rollout")
+        with self._exclusive("receive_weights"):
+            yield from self._receive_direct_update(expected, validate, on_complete)
+
+    def _receive_direct_update(self, expected: Manifest | None, validate: Validator | None,
+                               on_complete: Callable[[], None] | None) -> Any:
         start, version, manifest, error = self._open_receive(expected, validate)
+        self.version = None  # the trainer writes into our tensors from the header on
         if on_complete is not None and error is None:  # the bytes are in place already
             try:
                 on_complete()

@@ -14,18 +14,20 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from weightbus import comm, config
 from weightbus.engines.base import CheckpointEngine
-from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError, as_timedelta
+from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
 
 
 class Rendezvous:
     """All-gather of picklable objects among ``world`` processes over one TCPStore."""
 
     def __init__(self, addr: str, port: int, rank: int, world: int, *,
-                 timeout: float = DEFAULT_TIMEOUT, prefix: str = "rdv", store: dist.Store | None = None):
+                 timeout: float | None = None, prefix: str = "rdv", store: dist.Store | None = None):
+        timeout = config.timeout(timeout)
         self.rank, self.world, self.prefix = rank, world, prefix
         self.store = store if store is not None else \
-            dist.TCPStore(addr, port, None, False, timeout=as_timedelta(timeout))
+            comm.connect_store(addr, port, timeout, f"rendezvous rank {rank} of {world}")
         self._round = 0
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -61,18 +63,20 @@ def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollou
     if not 0 <= rank < trainer_world_size + rollout_world_size:
         raise WeightbusError(f"rank {rank} is outside the {trainer_world_size} trainer + "
                              f"{rollout_world_size} rollout ranks")
-    timeout = engine.timeout if timeout is None else float(timeout)
+    timeout = engine.timeout if timeout is None else config.timeout(timeout)
     if serve is None:  # torchrun's agent serves a store at MASTER_PORT for its workers
         serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     where = f"rank {rank} ({'trainer' if rank < trainer_world_size else 'rollout'})"
-    try:
-        store = dist.TCPStore(master_addr if not serve else "0.0.0.0", master_port, None, serve,
-                              timeout=as_timedelta(timeout), wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001 - one line that names the address, not a C++ frame dump
-        what = "serve the rendezvous store on port" if serve else "reach the rendezvous store at"
-        raise WeightSyncError(f"{where}: cannot {what} {master_addr}:{master_port} within {timeout:.0f}s "
-                              f"({type(e).__name__}: {str(e).splitlines()[0]}); is rank 0 running "
-                              f"and the port right?") from None
+    if not serve:
+        store = comm.connect_store(master_addr, master_port, timeout, where)
+    else:
+        try:
+            store = dist.TCPStore("0.0.0.0", master_port, None, True, timeout=as_timedelta(timeout),
+                                  wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - one line that names the port, not a C++ frame dump
+            raise WeightSyncError(f"{where}: cannot serve the rendezvous store on port {master_port} "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0]}); is the port in use? "
+                                  f"pick another master_port") from None
     rdv = Rendezvous(master_addr, master_port, rank, trainer_world_size + rollout_world_size,
                      prefix="weightbus/join", store=store)
     connect(engine, rdv, trainer_world_size, rollout_world_size)

@@ -38,8 +38,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weightbus.config import BUILTIN_TIMEOUT
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
-from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError, WeightSyncError, as_timedelta
+from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck
 from weightbus.plan import Manifest, TensorMeta
@@ -182,7 +183,7 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     rollout_world_size: int = 1
     transport: str = "gloo"
     bucket_size: int | None = None
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: float = BUILTIN_TIMEOUT
     partial: bool = False
     #: vLLM's workers compare sampled layers with a fresh load every N-th update (0: off,
     #: -1: as ``WEIGHTBUS_VLLM_SELF_CHECK`` says there), L layers each time (0: all)

@@ -34,7 +34,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightbus.errors import DEFAULT_TIMEOUT, WeightbusError
+from weightbus import config
+from weightbus.errors import WeightbusError
 from weightbus.integrations.vllm.loader import KEPT
 from weightbus.runtime.group import Pending, WorkerError
 
@@ -144,8 +145,8 @@ class AsyncLLMRollout(Rollout):
     loop's own (use ``asyncio.to_thread`` from async code)."""
 
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None, *,
-                 name: str = "vllm", timeout: float = DEFAULT_TIMEOUT):
-        self.engine, self.name, self.timeout = engine, name, timeout
+                 name: str = "vllm", timeout: float | None = None):
+        self.engine, self.name, self.timeout = engine, name, config.timeout(timeout)
         self.loop = loop or asyncio.get_running_loop()
         self.size = int(engine.vllm_config.parallel_config.world_size)
 
@@ -201,8 +202,8 @@ class HTTPRollout(Rollout):
     the server's vLLM workers (TP x PP x DP)."""
 
     def __init__(self, base_url: str, *, workers: int = 1, name: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
-        self.base_url, self.size, self.timeout = base_url.rstrip("/"), int(workers), timeout
+                 timeout: float | None = None):
+        self.base_url, self.size, self.timeout = base_url.rstrip("/"), int(workers), config.timeout(timeout)
         self.name = name or self.base_url
 
     def _request(self, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None,
@@ -266,10 +267,10 @@ class RolloutClient:
     rollouts' (``rank_offset``). ``timeout``: every call's deadline, seconds (an update
     call lasts as long as the transfer: raise it for models that take longer)."""
 
-    def __init__(self, rollouts: Sequence[Rollout], *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, rollouts: Sequence[Rollout], *, timeout: float | None = None):
         if not rollouts:
             raise WeightbusError("RolloutClient needs at least one rollout")
-        self.rollouts, self.timeout = list(rollouts), float(timeout)
+        self.rollouts, self.timeout = list(rollouts), config.timeout(timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.rollouts),
                                                            thread_name_prefix="wb-rollouts")
 
