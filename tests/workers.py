@@ -316,3 +316,82 @@ def progress_reported(rank: int, port: int):
         else _outcome(lambda: len(_receive(engine)))
     engine.finalize(destroy_group=True)
     return seen, ok
+
+
+def group_misuse(rank: int, port: int):
+    """2 trainers, 1 rollout (gloo): misuse of a formed group, each case a clear error or
+    correct handling, the group usable after each."""
+    torch.set_num_threads(1)
+    T, R = 2, 1
+    is_trainer = rank < T
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 16, timeout=20,
+                                          role="trainer" if is_trainer else "rollout")
+    model = Mixed()
+    log: dict[str, str] = {}
+
+    def good(label: str, weights=None) -> None:
+        """One update that must arrive bitwise; log 'ok' or what went wrong."""
+        w = weights if weights is not None else trainer_stream(model)
+        rdv.all_gather(None)
+        if is_trainer:
+            out = _outcome(lambda: _send(engine, ModuleSource(w)).version)
+        else:
+            out = _outcome(lambda: _receive(engine))
+        want = {n: digest(t) for n, t in w.items()}
+        log[label] = "ok" if "ok" in out and (is_trainer or out["ok"] == want) else str(out)[:300]
+
+    # init twice: the second formation replaces the first
+    connect(engine, rdv, T, R)
+    connect(engine, rdv, T, R)
+    model.step(1)
+    good("init-twice")
+    # one tiny tensor: one bucket, so trainer rank 1 has nothing to send
+    good("more-trainers-than-buckets", {"only": torch.arange(5.0)})
+    # finalize (buckets freed) twice, then the engine is used again
+    engine.finalize()
+    engine.finalize()
+    model.step(2)
+    good("finalize-twice-then-reuse")
+
+    # two updates at once on one engine: the second is refused, the first completes
+    rdv.all_gather(None)
+    if rank == 0:
+        async def both():
+            src = ModuleSource(trainer_stream(model))
+            return await asyncio.gather(engine.send_weights(src), engine.send_weights(src),
+                                        return_exceptions=True)
+        first, second = asyncio.run(both())
+        log["two-updates-at-once"] = str(second) if isinstance(second, Exception) else "not refused"
+        assert not isinstance(first, Exception), first
+    elif rank == 1:
+        _send(engine, ModuleSource(trainer_stream(model)))
+        log["two-updates-at-once"] = "n/a"
+    else:
+        a = engine.receive_weights_sync()
+        next(a)
+        try:
+            next(engine.receive_weights_sync())
+            log["two-updates-at-once"] = "not refused"
+        except WeightSyncError as e:
+            log["two-updates-at-once"] = str(e)
+        for _ in a:
+            pass
+
+    # the trainer's model changes shape between updates: the sink names the tensor
+    rdv.all_gather(None)
+    if is_trainer:
+        wider = dict(trainer_stream(model))
+        wider["proj.weight"] = torch.zeros(38, 48)
+        _outcome(lambda: _send(engine, ModuleSource(wider)))
+        log["manifest-changes-shape"] = "sent"
+    else:
+        try:
+            asyncio.run(ModuleSink(trainer_stream(Mixed())).load(engine.receive_weights()))
+            log["manifest-changes-shape"] = "loaded"
+        except Exception as e:  # noqa: BLE001
+            log["manifest-changes-shape"] = f"{type(e).__name__}: {e}"
+    model.step(3)
+    good("after")
+    engine.finalize(destroy_group=True)
+    return log

@@ -12,9 +12,11 @@ from weightbus.engines import (
 )
 from weightbus.engines.base import WeightSource
 from weightbus.errors import (
+    ConfigError,
     ManifestMismatch,
     PlanError,
     SinkError,
+    UpdateFailed,
     WeightbusError,
     WeightSyncError,
 )
@@ -25,7 +27,7 @@ from weightbus.sources import ModuleSource
 __version__ = "0.1.0"
 
 __all__ = [
-    "BucketPlan", "CheckpointEngine", "CheckpointEngineRegistry", "CheckpointEngineWithCache",
+    "BucketPlan", "CheckpointEngine", "ConfigError", "CheckpointEngineRegistry", "CheckpointEngineWithCache",
     "Manifest", "ManifestMismatch", "ModuleSink", "ModuleSource", "PlanError", "SinkError",
-    "TensorMeta", "UpdateStats", "WeightSource", "WeightSyncError", "WeightbusError",
+    "TensorMeta", "UpdateFailed", "UpdateStats", "WeightSource", "WeightSyncError", "WeightbusError",
 ]

@@ -190,8 +190,12 @@ def _wrap_device_pointer(ptr: int, nbytes: int, device: torch.device, owner: obj
 
 
 def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A plain bucket on ``device``."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """A plain bucket on ``device``; a bucket that does not fit is an error saying so."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise PlanError(f"cannot allocate a {nbytes / MiB:.0f} MiB bucket on {device} "
+                        f"({str(e).splitlines()[0][:160]}); use a smaller bucket_size") from None
 
 
 # ---------------------------------------------------------------------------- packing

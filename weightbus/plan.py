@@ -14,6 +14,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -24,6 +25,24 @@ from weightbus.errors import ManifestMismatch, PlanError
 ALIGNMENT = 256
 #: Bytes at the end of every sent bucket: magic, version, bucket index, status, ...
 TRAILER_BYTES = 64
+
+
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+def unsendable(name: Any, t: Any) -> str | None:
+    """Why ``(name, t)`` cannot travel as raw bytes (None if it can): weights travel as
+    dense, strided tensors of a plain dtype, under a non-empty string name."""
+    if not isinstance(name, str) or not name:
+        return f"tensor names must be non-empty strings, got {name!r} ({type(name).__name__})"
+    if not isinstance(t, torch.Tensor):
+        return f"{name!r} is a {type(t).__name__}, not a tensor"
+    if t.layout != torch.strided:
+        return f"{name!r} is a {t.layout} tensor; send it dense (t.to_dense()), or its parts as tensors"
+    if t.dtype in _QUANTIZED:
+        return (f"{name!r} is a quantized {t.dtype} tensor; send its integer values (t.int_repr()) "
+                f"and its scales and zero points as tensors of their own")
+    return None
 
 
 def _align(n: int, a: int = ALIGNMENT) -> int:
@@ -68,6 +87,10 @@ class Manifest:
         self.metas: tuple[TensorMeta, ...] = tuple(metas)
         seen: set[str] = set()
         for m in self.metas:
+            if not isinstance(m.name, str) or not m.name:
+                raise PlanError(f"tensor names must be non-empty strings, got {m.name!r}")
+            if m.dtype in _QUANTIZED:
+                raise PlanError(f"tensor {m.name!r}: quantized dtype {m.dtype} cannot travel as bytes")
             if m.name in seen:
                 raise PlanError(f"duplicate tensor name {m.name!r} in the weight stream")
             seen.add(m.name)
@@ -76,7 +99,13 @@ class Manifest:
 
     @classmethod
     def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
-        return cls(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named)
+        metas = []
+        for n, t in named:
+            why = unsendable(n, t)
+            if why:
+                raise PlanError(why)
+            metas.append(TensorMeta(n, t.dtype, tuple(t.shape)))
+        return cls(metas)
 
     def __len__(self) -> int:
         return len(self.metas)

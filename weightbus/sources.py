@@ -17,7 +17,7 @@ from torch import nn
 
 from weightbus import comm
 from weightbus.errors import PlanError
-from weightbus.plan import Manifest, TensorMeta
+from weightbus.plan import Manifest, TensorMeta, unsendable
 
 NameMap = Callable[[str], "str | None"]
 
@@ -63,6 +63,9 @@ class ModuleSource:
             if not isinstance(t, torch.Tensor):
                 raise PlanError(f"ModuleSource: {name!r} is of type {type(t).__name__}, not a tensor; give "
                                 f"it only the weights (a module, or a mapping of name to tensor)")
+            why = unsendable(name, t) if not _is_dtensor(t) else None
+            if why:
+                raise PlanError(f"ModuleSource: {why}")
             out = name_map(name) if name_map is not None else name
             if out is None:
                 continue
@@ -81,7 +84,9 @@ class ModuleSource:
             self._plain = [t for _, t in self._items]
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
-        if self.dtype is not None and t.is_floating_point():
+        # 8-bit floats (fp8 weights) are already a wire format: casting them up would double
+        # their bytes and no longer match a rollout that holds them as fp8
+        if self.dtype is not None and t.is_floating_point() and t.dtype.itemsize > 1:
             return self.dtype
         return t.dtype
 

@@ -198,7 +198,7 @@ class CheckpointEngine(ABC):
     def buffer_metadata(self) -> dict[str, Any]:
         """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""
         return {"bucket_size": self._bucket_size, "bucket_fit": self.bucket_size,
-                "num_buffers": self.num_buffers}
+                "num_buffers": self.num_buffers, "alignment": ALIGNMENT}
 
 
 def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> int:
@@ -210,13 +210,15 @@ def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> in
     def who(i: int) -> str:
         return f"trainer rank {i}" if i < trainer_world_size else f"rollout rank {i - trainer_world_size}"
 
-    for key in ("bucket_size", "num_buffers"):
+    for key in ("bucket_size", "num_buffers", "alignment"):
         given = {i: m[key] for i, m in enumerate(metadata) if m.get(key) is not None}
         if len(set(given.values())) > 1:
             raise PlanError(f"the ranks disagree on {key}: "
                             + ", ".join(f"{who(i)} has {v}" for i, v in given.items())
-                            + f"; give every rank the same {key}" + (" (or none: the smallest that "
-                              "fits every rank is then used)" if key == "bucket_size" else ""))
+                            + (f"; give every rank the same {key}" if key != "alignment" else
+                               "; run the same weightbus version on every rank")
+                            + (" (or none: the smallest that fits every rank is then used)"
+                               if key == "bucket_size" else ""))
     explicit = [m["bucket_size"] for m in metadata if m.get("bucket_size")]
     if explicit:
         return int(explicit[0])

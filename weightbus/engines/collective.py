@@ -161,6 +161,7 @@ class CollectiveEngine(BucketEngine):
                 self._wait(work, phase)
 
     def _acquire(self, b: Bucket) -> torch.Tensor:
+        self._allocate()  # (again after finalize(), which freed the buckets)
         # trainer i sends buckets i, i+T, ...: slots go by position among its own buckets
         s = (b.index // self.n_senders) % self.num_buffers
         work = self._inflight.pop(s, None)
@@ -179,6 +180,7 @@ class CollectiveEngine(BucketEngine):
         self._wait_all("send (flush)")
 
     def _post_recv(self, b: Bucket) -> None:
+        self._allocate()
         s = b.index % self.num_buffers
         try:
             self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)

@@ -1,0 +1,303 @@
+"""Bad input, checked where it is given: each case is one clear error naming what is wrong
+(or, where the input is legal, correct handling). The cases that need a formed group
+(streams, membership, concurrency, lifecycle) run across real processes at the end.
+
+Every case is a row of one table so the suite counts them: ``len(CASES)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import workers
+from torch import nn
+
+from weightbus import (
+    CheckpointEngineRegistry,
+    ModuleSink,
+    ModuleSource,
+    WeightbusError,
+)
+from weightbus.engines.base import agree_buffers
+from weightbus.engines.collective import CollectiveEngine
+from weightbus.engines.colocated import ColocatedEngine
+from weightbus.manager import CheckpointEngineManager
+from weightbus.plan import BucketPlan, Manifest, TensorMeta
+from weightbus.runtime.local import join, spawn
+
+
+def _engine(**kw):
+    return CheckpointEngineRegistry.new("gloo", **kw)
+
+
+def _meta(bucket_size=None, num_buffers=2, alignment=256):
+    return {"bucket_size": bucket_size, "bucket_fit": 1 << 20, "num_buffers": num_buffers,
+            "alignment": alignment}
+
+
+def _source(named):
+    return ModuleSource(named)
+
+
+def _sparse():
+    return torch.eye(3).to_sparse()
+
+
+def _quantized():
+    return torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+
+
+# (id, call, expected error type, regex the message must match)
+CASES = [
+    # --- registry and engine options
+    ("unknown-backend", lambda: CheckpointEngineRegistry.new("tcp"), WeightbusError, "unknown.*'tcp'.*gloo"),
+    ("unknown-backend-manager", lambda: CheckpointEngineManager("nope", None), WeightbusError, "'nope'"),
+    ("bucket-0", lambda: _engine(bucket_size=0), WeightbusError, "bucket_size must be >= 1, got 0"),
+    ("bucket-negative", lambda: _engine(bucket_size=-4096), WeightbusError, "bucket_size must be >= 1"),
+    ("bucket-str", lambda: _engine(bucket_size="64M"), WeightbusError, r"bucket_size must be an int, got '64M'.*64 << 20"),
+    ("bucket-float", lambda: _engine(bucket_size=1.5e6), WeightbusError, "bucket_size must be an int, got 1500000.0"),
+    ("bucket-bool", lambda: _engine(bucket_size=True), WeightbusError, "bucket_size must be an int, got True"),
+    ("bucket-too-small", lambda: _engine(bucket_size=256), WeightbusError, "too small.*minimum 320"),
+    ("bucket-unaligned", lambda: _engine(bucket_size=(1 << 20) + 1), WeightbusError, "not a multiple of the 256-byte alignment"),
+    ("bucket-list", lambda: _engine(bucket_size=[1 << 20]), WeightbusError, "bucket_size must be an int"),
+    ("num-buffers-0", lambda: _engine(num_buffers=0), WeightbusError, "num_buffers must be in"),
+    ("num-buffers-negative", lambda: _engine(num_buffers=-1), WeightbusError, "num_buffers must be in"),
+    ("num-buffers-str", lambda: _engine(num_buffers="2"), WeightbusError, "num_buffers must be an int"),
+    ("num-buffers-float", lambda: _engine(num_buffers=2.0), WeightbusError, "num_buffers must be an int"),
+    ("num-buffers-huge", lambda: _engine(num_buffers=10_000), WeightbusError, "num_buffers must be in"),
+    ("timeout-0", lambda: _engine(timeout=0), WeightbusError, "timeout must be a finite number of seconds > 0, got 0"),
+    ("timeout-negative", lambda: _engine(timeout=-1000), WeightbusError, "got -1000"),
+    ("timeout-nan", lambda: _engine(timeout=math.nan), WeightbusError, "got nan"),
+    ("timeout-inf", lambda: _engine(timeout=math.inf), WeightbusError, "got inf"),
+    ("timeout-str", lambda: _engine(timeout="10"), WeightbusError, "timeout must be a number of seconds"),
+    ("timeout-bool", lambda: _engine(timeout=True), WeightbusError, "timeout must be a number of seconds"),
+    ("manager-timeout", lambda: CheckpointEngineManager("gloo", None, timeout=-1), WeightbusError, "timeout"),
+    ("role", lambda: _engine(role="server"), WeightbusError, "role must be 'trainer' or 'rollout'"),
+    ("device", lambda: _engine(device="gpu0"), WeightbusError, "device='gpu0' is not a device"),
+    ("nccl-on-cpu", lambda: CheckpointEngineRegistry.new("nccl", device="cpu"), WeightbusError, "needs a CUDA device"),
+    ("bucket-larger-than-memory", lambda: CollectiveEngine(bucket_size=1 << 50)._allocate(), WeightbusError,
+     "cannot allocate a .* MiB bucket on cpu"),
+    # --- topology and agreement
+    ("zero-rollouts", lambda: CollectiveEngine.build_topology(1, 0, [{}]), WeightbusError, "at least one trainer and one rollout"),
+    ("zero-trainers", lambda: CollectiveEngine.build_topology(0, 1, [{}]), WeightbusError, "at least one trainer and one rollout"),
+    ("metadata-count", lambda: CollectiveEngine.build_topology(1, 2, [{"port": 1}]), WeightbusError, "metadata has 1 entries"),
+    ("metadata-out-of-order", lambda: CollectiveEngine.build_topology(1, 1, [{"addr": "x"}, {"port": 1, "addr": "y"}]),
+     WeightbusError, "metadata\\[0\\] must come from trainer rank 0"),
+    ("colocated-metadata-out-of-order", lambda: ColocatedEngine.build_topology(1, 1, [{"host": "h"}, {"slots": []}]),
+     WeightbusError, "metadata\\[0\\] must come from trainer rank 0"),
+    ("ranks-disagree-bucket", lambda: agree_buffers(1, [_meta(1 << 20), _meta(2 << 20)]), WeightbusError,
+     "disagree on bucket_size: trainer rank 0 has 1048576, rollout rank 0 has 2097152"),
+    ("ranks-disagree-buffers", lambda: agree_buffers(1, [_meta(num_buffers=2), _meta(num_buffers=3)]), WeightbusError,
+     "disagree on num_buffers"),
+    ("ranks-disagree-alignment", lambda: agree_buffers(1, [_meta(), _meta(alignment=128)]), WeightbusError,
+     "alignment.*same weightbus version"),
+    # --- manifests, names and tensors
+    ("empty-model", lambda: BucketPlan(Manifest([]), 1 << 20), WeightbusError, "empty weight stream"),
+    ("empty-name", lambda: Manifest.from_tensors([("", torch.ones(1))]), WeightbusError, "non-empty strings, got ''"),
+    ("non-string-name", lambda: Manifest.from_tensors([(7, torch.ones(1))]), WeightbusError, "non-empty strings, got 7"),
+    ("none-name", lambda: Manifest.from_tensors([(None, torch.ones(1))]), WeightbusError, "non-empty strings, got None"),
+    ("duplicate-name", lambda: Manifest.from_tensors([("a", torch.ones(1)), ("a", torch.ones(1))]), WeightbusError,
+     "duplicate tensor name 'a'"),
+    ("negative-dim", lambda: Manifest([TensorMeta("a", torch.float32, (-1, 2))]), WeightbusError, "negative dimension"),
+    ("not-a-tensor", lambda: Manifest.from_tensors([("a", [1.0, 2.0])]), WeightbusError, "'a' is a list, not a tensor"),
+    ("sparse-stream", lambda: Manifest.from_tensors([("a", _sparse())]), WeightbusError, "sparse_coo.*to_dense"),
+    ("sparse-source", lambda: _source({"a": _sparse()}), WeightbusError, "sparse_coo"),
+    ("sparse-csr", lambda: _source({"a": torch.eye(3).to_sparse_csr()}), WeightbusError, "sparse_csr"),
+    ("quantized-stream", lambda: Manifest.from_tensors([("q", _quantized())]), WeightbusError, "quantized.*int_repr"),
+    ("quantized-source", lambda: _source({"q": _quantized()}), WeightbusError, "quantized"),
+    ("quantized-meta", lambda: Manifest([TensorMeta("q", torch.qint8, (2,))]), WeightbusError, "quantized dtype"),
+    ("source-non-tensor", lambda: _source({"a": torch.ones(1), "step": 3}), WeightbusError, "'step' is of type int"),
+    ("source-name-map-non-str", lambda: ModuleSource({"a": torch.ones(1)}, name_map=lambda n: 3), WeightbusError,
+     "must return the rollout's name"),
+    ("send-a-dict", lambda: asyncio.run(_local().send_weights({"a": torch.ones(1)})), WeightbusError,
+     "ModuleSource"),
+    ("send-a-tensor", lambda: asyncio.run(_local().send_weights(torch.ones(3))), WeightbusError,
+     "must be a source"),
+    ("send-bad-pairs", lambda: asyncio.run(_local().send_weights([("a", 1.0)])), WeightbusError,
+     "must yield \\(name, tensor\\) pairs"),
+    ("version-negative", lambda: asyncio.run(_engine_ready().send_weights([("a", torch.ones(1))], version=-1)),
+     WeightbusError, "version must be in \\[0, 9223372036854775807\\], got -1"),
+    ("version-2-63", lambda: asyncio.run(_engine_ready().send_weights([("a", torch.ones(1))], version=1 << 63)),
+     WeightbusError, "version must be in"),
+    ("version-str", lambda: asyncio.run(_engine_ready().send_weights([("a", torch.ones(1))], version="3")),
+     WeightbusError, "version must be an int"),
+    # --- lifecycle misuse (one process)
+    ("send-before-init", lambda: asyncio.run(_engine(role="trainer").send_weights([("a", torch.ones(1))])),
+     WeightbusError, "no group; call prepare\\(\\) and init_process_group\\(\\) first"),
+    ("receive-before-init", lambda: _drain(_engine(role="rollout")), WeightbusError, "no group"),
+    ("receive-on-trainer", lambda: _drain(_engine_ready()), WeightbusError, "only a rollout rank may call receive"),
+    # --- sinks
+    ("sink-shape", lambda: ModuleSink({"a": torch.zeros(2)}).load_iter([("a", torch.zeros(3))]), WeightbusError,
+     "mismatched: a \\(got \\[3\\], model has \\[2\\]\\)"),
+    ("sink-dtype", lambda: ModuleSink({"a": torch.zeros(2)}).load_iter([("a", torch.zeros(2, dtype=torch.bfloat16))]),
+     WeightbusError, "allow_cast=True"),
+    ("sink-missing", lambda: ModuleSink({"a": torch.zeros(2), "b": torch.zeros(1)}).load_iter([("a", torch.zeros(2))]),
+     WeightbusError, "missing: b"),
+    ("sink-unexpected", lambda: ModuleSink({"a": torch.zeros(2)}).load_iter([("a", torch.zeros(2)), ("z", torch.zeros(1))]),
+     WeightbusError, "unexpected: z"),
+]
+
+
+class _Ready(CollectiveEngine):
+    """An engine that believes it has a group, for checks that fire before any message."""
+
+    def __init__(self) -> None:
+        super().__init__(role="trainer")
+        self._ctl = object()
+
+
+def _local() -> ColocatedEngine:
+    """The in-process pass-through: the stream is read at once, in the caller."""
+    engine = ColocatedEngine()
+    engine.init_process_group()
+    return engine
+
+
+def _engine_ready() -> CollectiveEngine:
+    return _Ready()
+
+
+def _drain(engine):
+    async def go():
+        async for _ in engine.receive_weights():
+            pass
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_error(case):
+    _, call, err, pattern = case
+    with pytest.raises(err, match=pattern):
+        call()
+
+
+def test_enough_bad_inputs():
+    assert len(CASES) + len(STREAM_CASES) + len(LEGAL) >= 60
+
+
+# --- legal inputs that look odd: handled correctly (round trip through real buckets)
+
+def _round_trip(named, **source_kw):
+    from weightbus import buffers
+    source = ModuleSource(named, **source_kw)
+    plan = BucketPlan(source.manifest, 4096, 1)
+    packer, slots = buffers.Packer(plan), [torch.zeros(4096, dtype=torch.uint8) for _ in range(2)]
+    asm = buffers.Assembler(plan, torch.device("cpu"))
+    held = source.plain_tensors()
+    got = {}
+    for b in plan.buckets:
+        packer.pack_held(slots[b.index % 2], b, held)
+        for n, t in asm.unpack(slots[b.index % 2], b):
+            got[n] = t.clone()
+    return source, got
+
+
+def _same_bits(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+LEGAL = {
+    "complex": {"c": torch.randn(5, 3, dtype=torch.complex64)},
+    "fp8-keeps-its-dtype": {"f8": torch.randn(40, 7).to(torch.float8_e4m3fn), "w": torch.randn(3)},
+    "storage-offset-view": {"v": torch.arange(100.0)[37:81], "row": torch.randn(9, 8)[3]},
+    "non-contiguous": {"t": torch.randn(30, 20).t(), "s": torch.randn(10, 10)[:, ::3]},
+    "zero-size-and-scalar": {"e": torch.empty(0, 5), "s": torch.tensor(3.5), "b": torch.rand(33) > 0.5},
+    "larger-than-a-bucket": {"big": torch.randn(5000), "small": torch.ones(2)},
+}
+
+
+@pytest.mark.parametrize("name", list(LEGAL))
+def test_odd_but_legal_inputs_round_trip(name):
+    named = LEGAL[name]
+    source, got = _round_trip(named, dtype=torch.bfloat16)
+    assert list(got) == list(named)
+    for n, t in named.items():
+        want = t.to(source.wire_dtype(t))
+        assert _same_bits(got[n], want), n
+    if name == "fp8-keeps-its-dtype":
+        assert got["f8"].dtype == torch.float8_e4m3fn and got["w"].dtype == torch.bfloat16
+
+
+# --- the environment is read when an engine is made, not at import
+
+def test_bad_env_timeout_fails_at_engine_not_import():
+    code = ("import weightbus\n"
+            "try:\n"
+            "    weightbus.CheckpointEngineRegistry.new('gloo')\n"
+            "except weightbus.WeightbusError as e:\n"
+            "    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "WEIGHTBUS_TIMEOUT": "abc"})
+    assert out.returncode == 0, out.stderr
+    assert "ERR WEIGHTBUS_TIMEOUT='abc' is not a number" in out.stdout
+
+
+def test_env_timeout_applies_when_given(monkeypatch):
+    monkeypatch.setenv("WEIGHTBUS_TIMEOUT", "7.5")
+    assert _engine().timeout == 7.5
+    monkeypatch.setenv("WEIGHTBUS_TIMEOUT", "-3")
+    with pytest.raises(WeightbusError, match="WEIGHTBUS_TIMEOUT='-3'"):
+        _engine()
+
+
+# --- cases that need a formed group: one run of real processes
+
+STREAM_CASES = ["port-in-use", "silent-store", "init-twice", "finalize-twice-then-reuse",
+                "two-updates-at-once", "more-trainers-than-buckets", "manifest-changes-shape",
+                "shm-bucket-larger-than-dev-shm"]
+
+
+def test_port_in_use_and_silent_store_fail_fast(port):
+    import socket
+    import time
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(8)  # accepts connections, never answers: not a store
+    busy = blocker.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightbusError, match="did not answer within 2s.*another program"):
+            join(_engine(timeout=2), rank=1, trainer_world_size=1, rollout_world_size=1,
+                 master_addr="127.0.0.1", master_port=busy)
+        assert time.monotonic() - t0 < 2 + 3
+        with pytest.raises(WeightbusError, match=f"cannot serve the rendezvous store on port {busy}.*in use"):
+            join(_engine(timeout=2), rank=0, trainer_world_size=1, rollout_world_size=1,
+                 master_addr="127.0.0.1", master_port=busy)
+    finally:
+        blocker.close()
+
+
+def test_group_misuse_cases(port):
+    logs = spawn(workers.group_misuse, 3, (port,), timeout=240)
+    trainer, _, rollout = logs
+    for log in logs:
+        for case in ("init-twice", "more-trainers-than-buckets", "finalize-twice-then-reuse", "after"):
+            assert log[case] == "ok", (case, log)
+    assert "send_weights started while another send_weights is still under way" in trainer["two-updates-at-once"]
+    assert "receive_weights started while another receive_weights" in rollout["two-updates-at-once"]
+    # a manifest that changes shape between updates: the sink names the tensor
+    assert "mismatched: proj.weight (got [38, 48], model has [37, 48])" in rollout["manifest-changes-shape"]
+
+
+def test_shm_bucket_larger_than_dev_shm():
+    from weightbus import buffers
+    room = buffers.shm_room()
+    if room is None:
+        pytest.skip("no /dev/shm")
+    with pytest.raises(WeightbusError, match="does not fit: /dev/shm has"):
+        buffers.SharedBuffer(room + (1 << 40))
+
+
+def test_no_module_with_no_weights():
+    with pytest.raises(WeightbusError, match="empty weight stream"):
+        BucketPlan(ModuleSource(nn.Module()).manifest, 1 << 20)
