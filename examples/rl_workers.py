@@ -162,6 +162,9 @@ class Rollout(WeightbusWorker):
             self._abort = False
             self._gate.notify_all()
 
+    def is_paused(self) -> bool:
+        return self._paused
+
     # --- hybrid: release and restore memory ---------------------------------------------------
     def sleep(self) -> None:
         """Free the weights' memory while the trainer trains (shapes are kept)."""

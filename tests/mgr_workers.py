@@ -6,7 +6,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-from rl_workers import Rollout  # noqa: E402
+from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus import ModuleSink  # noqa: E402
 
@@ -39,3 +39,61 @@ class FailingRollout(Rollout):
                     os._exit(9)
                 time.sleep(3600)
         return _Trap(self.model, act)
+
+
+class PauseFails(Rollout):
+    """``pause_generation`` raises (``raise``), hangs (``hang``) or exits (``die``) at
+    update ``at``."""
+
+    def __init__(self, rank, world, mode, at):
+        super().__init__(rank, world)
+        self.mode, self.at, self.pauses = mode, at, 0
+
+    def pause_generation(self, mode="abort"):
+        self.pauses += 1
+        if self.pauses == self.at:
+            if self.mode == "die":
+                os._exit(9)
+            if self.mode == "hang":
+                time.sleep(3600)
+            raise RuntimeError("pause refused (injected)")
+        super().pause_generation(mode)
+
+
+class _RaiseOn(ModuleSink):
+    def __init__(self, module, name):
+        super().__init__(module)
+        self.name = name
+
+    def _load_one(self, name, t, report, seen):
+        if name == self.name:
+            raise ValueError(f"cannot load {name} (injected)")
+        super()._load_one(name, t, report, seen)
+
+
+class SinkRaises(Rollout):
+    """Its sink raises on one tensor (``name``) at every update."""
+
+    def __init__(self, rank, world, name):
+        super().__init__(rank, world)
+        self.name = name
+
+    def weights_sink(self):
+        return _RaiseOn(self.model, self.name)
+
+
+class SourceRaises(Trainer):
+    """``weights_source()`` raises while the trainer sends version ``at``."""
+
+    def __init__(self, rank, world, at):
+        super().__init__(rank, world)
+        self.at, self.sending = at, None
+
+    async def wb_send(self, version):
+        self.sending = version
+        return await super().wb_send(version)
+
+    def weights_source(self):
+        if self.sending == self.at:
+            raise KeyError("optimizer state missing (injected)")
+        return super().weights_source()

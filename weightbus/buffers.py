@@ -43,34 +43,47 @@ def default_bucket_size(device: torch.device) -> int:
 
 
 _SHM_PREFIX = "wbus_"
-_swept = False
+def sweep_stale_segments() -> list[str]:
+    """Unlink the segments of weightbus processes that are gone; returns their names.
 
-
-def _sweep_stale_segments() -> None:
-    """Unlink segments left by weightbus processes that are gone (a SIGKILLed owner that
-    died before its peers had mapped them, so before it could unlink the name). Once per
-    process; a segment whose owner pid is alive is never touched."""
-    global _swept
-    if _swept:
-        return
-    _swept = True
+    A segment's name is unlinked as soon as its peers have mapped it, so only an owner
+    killed before that (during group formation) leaves one behind; every owner sweeps when
+    it creates segments, and an operator may call this. A segment whose owner pid is alive
+    is never touched."""
     try:
         names = os.listdir("/dev/shm")
     except OSError:
-        return
+        return []
+    swept = []
     for name in names:
         if not name.startswith(_SHM_PREFIX):
             continue
         try:
             pid = int(name.split("_")[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        except (ValueError, IndexError):
+            continue
+        if not _alive(pid):
             try:
                 os.unlink(f"/dev/shm/{name}")
+                swept.append(name)
             except OSError:
                 pass
-        except (ValueError, IndexError, PermissionError):
-            continue
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def shm_room() -> int | None:
@@ -100,7 +113,7 @@ class SharedBuffer:
         self._map: mmap.mmap | None = None
         self.linked = True
         if self.owner:
-            _sweep_stale_segments()
+            sweep_stale_segments()
             room = shm_room()
             if room is not None and nbytes > room:
                 raise PlanError(f"a {nbytes / MiB:.0f} MiB shared-memory bucket does not fit: /dev/shm has "

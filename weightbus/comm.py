@@ -73,10 +73,14 @@ def connect_store(addr: str, port: int, timeout: float, where: str) -> dist.TCPS
             delay = min(1.0, delay * 2)
     box: list[Any] = []
 
+    # Half the time left: TCPStore may retry a connect that times out up to about twice its
+    # timeout, and it must give up before this call does (a thread that comes back out of
+    # C++ after the interpreter has begun to exit aborts the process).
+    budget = max(0.5, (deadline - time.monotonic()) / 2)
+
     def build() -> None:
         try:
-            box.append(dist.TCPStore(addr, port, None, False,
-                                     timeout=as_timedelta(max(1.0, deadline - time.monotonic()))))
+            box.append(dist.TCPStore(addr, port, None, False, timeout=as_timedelta(budget)))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box.append(e)
 

@@ -225,9 +225,14 @@ class ColocatedEngine(BucketEngine):
                 raise PlanError(f"{self.where()}: the trainer has {len(self._slots)} slots, this "
                                 f"engine was built with num_buffers={self.num_buffers}")
             self._bucket_size = int(self._slots[0].numel())
-        self._store = comm.connect_store(master["addr"], master["port"], self.timeout, self.where())
-        self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, world_size,
-                                   self.timeout, None, self.where())
+        try:
+            self._store = comm.connect_store(master["addr"], master["port"], self.timeout, self.where())
+            self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, world_size,
+                                       self.timeout, None, self.where())
+        except Exception:
+            # an owner that died before every peer mapped its segments could not unlink them
+            buffers.sweep_stale_segments()
+            raise
         self._ctl_rank = rank
         # every rank has joined, so every rollout has mapped the slots (it maps them before
         # joining): their names can go, and nothing is left in /dev/shm whoever dies later

@@ -25,15 +25,27 @@ class Rendezvous:
     def __init__(self, addr: str, port: int, rank: int, world: int, *,
                  timeout: float | None = None, prefix: str = "rdv", store: dist.Store | None = None):
         timeout = config.timeout(timeout)
-        self.rank, self.world, self.prefix = rank, world, prefix
+        self.rank, self.world, self.prefix, self.timeout = rank, world, prefix, timeout
         self.store = store if store is not None else \
             comm.connect_store(addr, port, timeout, f"rendezvous rank {rank} of {world}")
         self._round = 0
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``; a rank that does not arrive within the deadline is an
+        error naming it (not the store's bare timeout)."""
         self._round += 1
         key = f"{self.prefix}/{self._round}"
         self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+        try:
+            self.store.wait([f"{key}/{r}" for r in range(self.world)], as_timedelta(self.timeout))
+        except Exception as e:  # noqa: BLE001 - name who is missing
+            try:
+                missing = [r for r in range(self.world) if not self.store.check([f"{key}/{r}"])]
+            except Exception:  # noqa: BLE001 - the store itself is gone
+                missing = []
+            who = f"ranks {missing} did not arrive" if missing else f"the store failed ({e})"
+            raise WeightSyncError(f"rendezvous rank {self.rank} of {self.world} ({self.prefix!r}, round "
+                                  f"{self._round}): {who} within {self.timeout:.0f}s") from None
         return [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)]
 
 
@@ -78,7 +90,7 @@ def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollou
                                   f"({type(e).__name__}: {str(e).splitlines()[0]}); is the port in use? "
                                   f"pick another master_port") from None
     rdv = Rendezvous(master_addr, master_port, rank, trainer_world_size + rollout_world_size,
-                     prefix="weightbus/join", store=store)
+                     prefix="weightbus/join", store=store, timeout=timeout)
     connect(engine, rdv, trainer_world_size, rollout_world_size)
     engine._join_store = store  # type: ignore[attr-defined]  # rank 0 keeps serving it
     return rdv

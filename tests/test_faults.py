@@ -1,0 +1,167 @@
+"""Faults at every phase, across real processes: every survivor raises within its deadline
+(plus a small margin) naming the lost peer and the phase, nothing hangs, nothing is left in
+/dev/shm, healthy replicas are never left paused, no replica claims a version it does not
+fully hold, and the next update is bitwise right.
+
+The engine-level cases of a receiver that dies or hangs mid-update live in
+test_engines.py; the manager's dying and hanging replicas in test_manager.py. This file
+adds the trainer side, group formation, and the manager's pause / sink / source faults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import mgr_workers
+import pytest
+import torch.multiprocessing as mp
+import workers_faults
+from mgr_workers import PauseFails, SinkRaises, SourceRaises
+from rl_workers import Rollout
+
+from weightbus import UpdateFailed, buffers
+from weightbus.manager import CheckpointEngineManager
+from weightbus.runtime.group import LocalWorkerGroup, call
+
+DEADLINE = 4.0
+#: how a survivor's error names the phase it lost its peer in
+PHASE_WORDS = {"formation": re.compile("rendezvous|forming"), "header": re.compile("header"),
+               "mid-update": re.compile("bucket \\d+"), "final-status": re.compile("finish")}
+
+
+def _shm_of(pid: int) -> list[str]:
+    try:
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"wbus_{pid}_")]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.parametrize("backend", ["colocated", "gloo"])
+@pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_trainer_lost_at_every_phase(port, backend, phase, how):
+    """1 trainer, 2 rollouts. After one good update the trainer is SIGKILLed or SIGSTOPped
+    at ``phase`` of the next; both rollouts raise within the deadline naming the phase,
+    and the trainer's shared memory is gone from /dev/shm (colocated)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (port, backend, phase, how, DEADLINE, out)
+    procs = [ctx.Process(target=workers_faults.trainer_lost, args=(r, *args)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = {}
+    t_end = time.monotonic() + 90
+    while len(results) < 2 and time.monotonic() < t_end:
+        try:
+            rank, res = out.get(timeout=1)
+            results[rank] = res
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if not procs[1].is_alive() and not procs[2].is_alive() and out.empty():
+                break
+    trainer_pid = procs[0].pid
+    if how == "stop" and procs[0].is_alive():
+        os.kill(trainer_pid, signal.SIGKILL)
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert set(results) == {1, 2}, results
+    for res in results.values():
+        assert res["first"] == "ok", res
+        err, seconds = res["error"], res["seconds"]
+        assert err is not None, res
+        # within the deadline (formation: the rendezvous' own) plus a margin
+        assert seconds < DEADLINE * 2 + 5, res
+        assert "rollout rank" in err and PHASE_WORDS[phase].search(err), err
+        if phase != "formation":
+            assert res["version"] in (1, None), res  # never a version it does not hold
+            if phase in ("header",):
+                assert res["version"] == 1  # nothing was written: the old version stands
+    if phase == "formation" and how == "stop":
+        # stopped (alive) while the rollouts gave up, then killed: its segments wait for the
+        # next weightbus process on the host, which sweeps them (as this one does now)
+        buffers.sweep_stale_segments()
+    assert _shm_of(trainer_pid) == []
+
+
+def test_rank_that_never_joins_fails_formation_in_time(port):
+    """2 of 3 ranks show up: both fail within the deadline naming the formation."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=workers_faults.partial_group, args=(r, port, DEADLINE, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    for rank, err, seconds in got:
+        assert seconds < DEADLINE * 2 + 5, (rank, err, seconds)
+        assert "rank" in err, err
+
+
+def test_manager_resumes_healthy_replicas_whatever_fails():
+    timeout = 8
+    trainer = LocalWorkerGroup(SourceRaises, 1, 6, name="trainer")
+    healthy = LocalWorkerGroup(Rollout, 2, name="healthy")
+    groups = [trainer, healthy]
+    mgr = CheckpointEngineManager("gloo", trainer, [healthy], timeout=timeout, bucket_size=1 << 16)
+
+    def same() -> bool:
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        return call(healthy, "weights_digest", timeout=10) == [want] * healthy.size
+
+    def paused() -> list[bool]:
+        return call(healthy, "is_paused", timeout=10)
+
+    try:
+        mgr.update_weights(version=1)
+        assert same() and paused() == [False, False]
+        # 2: a replica's pause raises; 3: it hangs; 4: it dies
+        for version, mode in ((2, "raise"), (3, "hang"), (4, "die")):
+            bad = LocalWorkerGroup(PauseFails, 1, mode, 1, name=f"pause-{mode}")
+            groups.append(bad)
+            mgr.add_replicas([bad])
+            call(trainer, "train_step", version, timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(UpdateFailed, match=f"replica 'pause-{mode}'") as info:
+                mgr.update_weights(version=version)
+            assert time.monotonic() - t0 < timeout * 2 + 5
+            assert paused() == [False, False], mode  # resumed before update_weights raised
+            assert "healthy" in info.value.resumed
+            assert info.value.versions["healthy"] == 1 and info.value.versions[f"pause-{mode}"] is None
+            mgr.remove_replicas([bad])
+            bad.shutdown(timeout=1)
+        # 5: one replica's sink raises on one tensor: the update fails everywhere, the
+        # healthy replica is resumed and claims no version (it was written, not agreed)
+        bad = LocalWorkerGroup(SinkRaises, 1, "head.weight", name="sink-raises")
+        groups.append(bad)
+        mgr.add_replicas([bad])
+        call(trainer, "train_step", 5, timeout=10)
+        with pytest.raises(UpdateFailed, match="'sink-raises'.*cannot load head.weight") as info:
+            mgr.update_weights(version=5)
+        assert paused() == [False, False]
+        assert info.value.versions == {"healthy": None, "sink-raises": None}
+        mgr.remove_replicas([bad])
+        bad.shutdown(timeout=1)
+        mgr.update_weights(version=5)
+        assert same() and mgr.versions() == {"healthy": 5}
+        # 6: the trainer's weights_source() raises: every rank hears it at the header, at
+        # once (not after the deadline), and the replica keeps version 5, untouched
+        call(trainer, "train_step", 6, timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed, match=r"weights_source\(\) raised KeyError.*optimizer state"):
+            mgr.update_weights(version=6)
+        assert time.monotonic() - t0 < timeout / 2
+        assert paused() == [False, False] and mgr.versions() == {"healthy": 5} and same() is False
+        mgr.update_weights(version=7)
+        assert same() and mgr.versions() == {"healthy": 7}
+    finally:
+        for g in groups:
+            g.shutdown(timeout=2)
+
+
+def test_worker_module_is_importable():
+    assert mgr_workers.PauseFails and workers_faults.trainer_lost
