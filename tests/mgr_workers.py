@@ -60,6 +60,20 @@ class PauseFails(Rollout):
         super().pause_generation(mode)
 
 
+class ResumeFails(Rollout):
+    """``resume_generation`` raises at update ``at`` (the weights did arrive)."""
+
+    def __init__(self, rank, world, at):
+        super().__init__(rank, world)
+        self.at, self.resumes = at, 0
+
+    def resume_generation(self):
+        self.resumes += 1
+        if self.resumes == self.at:
+            raise RuntimeError("resume refused (injected)")
+        super().resume_generation()
+
+
 class _RaiseOn(ModuleSink):
     def __init__(self, module, name):
         super().__init__(module)

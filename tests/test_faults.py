@@ -19,7 +19,7 @@ import mgr_workers
 import pytest
 import torch.multiprocessing as mp
 import workers_faults
-from mgr_workers import PauseFails, SinkRaises, SourceRaises
+from mgr_workers import PauseFails, ResumeFails, SinkRaises, SourceRaises
 from rl_workers import Rollout
 
 from weightbus import UpdateFailed, buffers
@@ -158,6 +158,15 @@ def test_manager_resumes_healthy_replicas_whatever_fails():
         assert paused() == [False, False] and mgr.versions() == {"healthy": 5} and same() is False
         mgr.update_weights(version=7)
         assert same() and mgr.versions() == {"healthy": 7}
+        # 8: a replica's resume raises after the weights arrived everywhere
+        bad = LocalWorkerGroup(ResumeFails, 1, 1, name="resume-raises")
+        groups.append(bad)
+        mgr.add_replicas([bad])
+        call(trainer, "train_step", 8, timeout=10)
+        with pytest.raises(UpdateFailed, match="version 8 reached every replica.*'resume-raises'") as info:
+            mgr.update_weights(version=8)
+        assert paused() == [False, False] and info.value.versions == {"healthy": 8, "resume-raises": 8}
+        assert info.value.resumed == ["healthy"] and same()
     finally:
         for g in groups:
             g.shutdown(timeout=2)

@@ -182,7 +182,14 @@ class CheckpointEngineManager:
                                + f". Versions held: {held}", held, ok) from e
         report.bytes = results[0][0]["bytes"]  # the payload every rollout rank received
         self.version = version
-        self._all(self.replicas, "resume_generation", version)
+        resumed = self._try_all(self.replicas, "resume_generation")
+        failed = {n: err for n, err in resumed.items() if err}
+        if failed:  # delivered everywhere, but a replica does not generate again
+            self._formed_for = None
+            raise UpdateFailed(f"version {version} reached every replica, but resume_generation failed on "
+                               + "; ".join(f"replica {n!r} ({err})" for n, err in failed.items())
+                               + f". Versions held: {self.versions()}", self.versions(),
+                               [n for n in resumed if n not in failed])
         phase("resume")
         return report
 
