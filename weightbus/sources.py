@@ -7,7 +7,6 @@ casts while copying into the bucket, so the cast happens once, on the tensor's d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightbus import comm
+from weightbus import comm, config
 from weightbus.errors import PlanError
 from weightbus.plan import Manifest, TensorMeta, unsendable
 
@@ -154,7 +153,7 @@ class ModuleSource:
         shards = [t.to_local().detach().to(target.dtype).contiguous() for _, _, t, target in group]
         pgs = {id(t.device_mesh.get_group()): t.device_mesh.get_group() for _, _, t, _ in group}
         pg = next(iter(pgs.values()))
-        if _COALESCE and len(pgs) == 1 and dist.get_backend(pg) == "nccl":
+        if config.flag("WEIGHTBUS_COALESCE_GATHERS") and len(pgs) == 1 and dist.get_backend(pg) == "nccl":
             # one fused NCCL launch for the whole group: measured 1.39x instead of 1.53x of
             # the all-gather floor (8B, 2xH200), but the trainer then held ~7.6 GB more
             # (about the whole bf16 half-model) until the update ended: opt-in
@@ -174,7 +173,6 @@ class ModuleSource:
 
 
 _GROUP_BYTES = 256 << 20  # full-tensor bytes gathered per batch of casts
-_COALESCE = os.environ.get("WEIGHTBUS_COALESCE_GATHERS", "0") == "1"
 
 
 def _fits_into(t: Any, target: torch.Tensor, wire: torch.dtype) -> bool:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from weightbus.errors import ConfigError
+
 _log = logging.getLogger("vllm.weightbus")
 
 #: Run the experts' hook that vLLM's unquantized MoE skips on reload. Tests turn it off
@@ -56,7 +58,7 @@ def self_check_from_env() -> SelfCheck | None:
         every, _, layers = raw.partition(":")
         check = SelfCheck(int(every), int(layers or 0))
     except ValueError as e:
-        raise ValueError(f"WEIGHTBUS_VLLM_SELF_CHECK={raw!r}: expected N or N:L (check every N-th "
+        raise ConfigError(f"WEIGHTBUS_VLLM_SELF_CHECK={raw!r}: expected N or N:L (check every N-th "
                          f"update, L layers each time), with N, L >= 0 ({e})") from None
     return check if check.every else None
 
