@@ -39,52 +39,60 @@ def _shm_of(pid: int) -> list[str]:
         return []
 
 
+LOST = [  # (who is lost, how): the trainer killed or stopped; a rollout killed or stopped
+    ("trainer", "kill"), ("trainer", "stop"), ("rollout", "kill"), ("rollout", "stop")]
+
+
 @pytest.mark.parametrize("backend", ["colocated", "gloo"])
 @pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_trainer_lost_at_every_phase(port, backend, phase, how):
-    """1 trainer, 2 rollouts. After one good update the trainer is SIGKILLed or SIGSTOPped
-    at ``phase`` of the next; both rollouts raise within the deadline naming the phase,
-    and the trainer's shared memory is gone from /dev/shm (colocated)."""
+@pytest.mark.parametrize("who,how", LOST, ids=[f"{w}-{h}" for w, h in LOST])
+def test_peer_lost_at_every_phase(port, backend, phase, who, how):
+    """1 trainer, 2 rollouts. After one good update a peer (the trainer, or rollout 2) is
+    SIGKILLed or SIGSTOPped at ``phase`` of the next; every survivor raises within the
+    deadline naming the phase, claims no version it does not hold, and the trainer's
+    shared memory is gone from /dev/shm (colocated)."""
+    lost = 0 if who == "trainer" else 2
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    args = (port, backend, phase, how, DEADLINE, out)
-    procs = [ctx.Process(target=workers_faults.trainer_lost, args=(r, *args)) for r in range(3)]
+    args = (port, backend, lost, phase, how, DEADLINE, out)
+    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args)) for r in range(3)]
     for p in procs:
         p.start()
+    survivors = {r for r in range(3) if r != lost}
     results = {}
     t_end = time.monotonic() + 90
-    while len(results) < 2 and time.monotonic() < t_end:
+    while len(results) < len(survivors) and time.monotonic() < t_end:
         try:
             rank, res = out.get(timeout=1)
             results[rank] = res
         except Exception:  # noqa: BLE001 - queue.Empty
-            if not procs[1].is_alive() and not procs[2].is_alive() and out.empty():
+            if not any(procs[r].is_alive() for r in survivors) and out.empty():
                 break
-    trainer_pid = procs[0].pid
-    if how == "stop" and procs[0].is_alive():
-        os.kill(trainer_pid, signal.SIGKILL)
+    if how == "stop" and procs[lost].is_alive():
+        os.kill(procs[lost].pid, signal.SIGKILL)
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.kill()
-    assert set(results) == {1, 2}, results
-    for res in results.values():
+    assert set(results) == survivors, results
+    for rank, res in results.items():
         assert res["first"] == "ok", res
         err, seconds = res["error"], res["seconds"]
         assert err is not None, res
-        # within the deadline (formation: the rendezvous' own) plus a margin
-        assert seconds < DEADLINE * 2 + 5, res
-        assert "rollout rank" in err and PHASE_WORDS[phase].search(err), err
-        if phase != "formation":
-            assert res["version"] in (1, None), res  # never a version it does not hold
-            if phase in ("header",):
-                assert res["version"] == 1  # nothing was written: the old version stands
+        assert seconds < DEADLINE * 2 + 5, res  # the deadline plus a margin, never a hang
+        assert PHASE_WORDS[phase].search(err), err  # names the phase
+        assert ("trainer" if rank == 0 else "rollout") + " rank" in err or "rendezvous" in err, err
+        if rank and phase != "formation":
+            # never a version it does not hold: the old one if nothing was written
+            assert res["version"] in (1, None), res
+            if phase == "header" and who == "trainer":
+                assert res["version"] == 1, res
     if phase == "formation" and how == "stop":
-        # stopped (alive) while the rollouts gave up, then killed: its segments wait for the
+        # stopped (alive) while the others gave up, then killed: its segments wait for the
         # next weightbus process on the host, which sweeps them (as this one does now)
         buffers.sweep_stale_segments()
-    assert _shm_of(trainer_pid) == []
+    for p in procs:
+        assert _shm_of(p.pid) == []
 
 
 def test_rank_that_never_joins_fails_formation_in_time(port):
@@ -173,4 +181,4 @@ def test_manager_resumes_healthy_replicas_whatever_fails():
 
 
 def test_worker_module_is_importable():
-    assert mgr_workers.PauseFails and workers_faults.trainer_lost
+    assert mgr_workers.PauseFails and workers_faults.peer_lost

@@ -39,7 +39,7 @@ def shapes(draw, max_numel):
 @st.composite
 def manifests(draw, max_numel=4096, dtypes=tuple(DTYPES)):
     n = draw(st.integers(1, 40))
-    names = draw(st.lists(st.text(max_size=10), min_size=n, max_size=n, unique=True))
+    names = draw(st.lists(st.text(min_size=1, max_size=10), min_size=n, max_size=n, unique=True))
     return Manifest([TensorMeta(name, draw(st.sampled_from(dtypes)), draw(shapes(max_numel)))
                      for name in names])
 
@@ -144,8 +144,8 @@ def test_equal_manifests_give_equal_plans_and_fingerprints(m, bucket_size, n_sen
     what = data.draw(st.sampled_from(["name", "dtype", "shape"]), label="changed field")
     if what == "name":
         names = {u.name for u in m}
-        new = TensorMeta(data.draw(st.text(max_size=10).filter(lambda s: s not in names), label="name"),
-                         t.dtype, t.shape)
+        name = data.draw(st.text(min_size=1, max_size=10).filter(lambda s: s not in names), label="name")
+        new = TensorMeta(name, t.dtype, t.shape)
     elif what == "dtype":
         new = TensorMeta(t.name, _other_dtype[t.dtype], t.shape)
     else:

@@ -34,40 +34,51 @@ class _DiesAfter:
             yield item
 
 
-def trainer_lost(rank: int, port: int, backend: str, phase: str, how: str, deadline: float, out) -> None:
+def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: str, deadline: float,
+              out) -> None:
+    """1 trainer (rank 0), 2 rollouts (ranks 1, 2). After one good update, rank ``lost`` is
+    SIGKILLed or SIGSTOPped at ``phase`` of the next; the survivors report what they saw."""
     torch.set_num_threads(1)
     T, R = 1, 2
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 16, timeout=deadline,
                                           role="trainer" if rank == 0 else "rollout")
     model = Mixed()
-    if rank == 0:
-        if phase == "formation":
-            rdv.all_gather(engine.prepare())  # its segments exist; it dies before joining
-            _lose(how)
-        connect(engine, rdv, T, R)
-        asyncio.run(engine.send_weights(ModuleSource(trainer_stream(model))))
-        model.step(2)
-        rdv.all_gather(None)
-        named = trainer_stream(model)
-        if phase == "header":
-            _lose(how)
-        if phase == "mid-update":
-            asyncio.run(engine.send_weights(_DiesAfter(named, 3, how)))
-        if phase == "final-status":
-            engine._finish = lambda version, error: _lose(how)  # everything sent, then lost
-            asyncio.run(engine.send_weights(ModuleSource(named)))
-        return
+    doomed = rank == lost
+    if doomed and phase == "formation":
+        rdv.all_gather(engine.prepare())  # (a trainer's segments exist) and it never joins
+        _lose(how)
     res: dict = {"first": None, "error": None, "seconds": None, "version": None}
     t0 = time.monotonic()
     try:
         connect(engine, rdv, T, R)
         sink = ModuleSink(trainer_stream(Mixed()))
-        asyncio.run(sink.load(engine.receive_weights()))
+        if rank == 0:
+            asyncio.run(engine.send_weights(ModuleSource(trainer_stream(model))))
+        else:
+            asyncio.run(sink.load(engine.receive_weights()))
         res["first"] = "ok"
+        model.step(2)
         rdv.all_gather(None)
+        named = trainer_stream(model)
+        if doomed and phase == "header":
+            _lose(how)
+        if doomed and phase == "final-status":
+            engine._finish = lambda version, error: _lose(how)  # every byte moved, then lost
         t0 = time.monotonic()
-        asyncio.run(sink.load(engine.receive_weights()))
+        if rank == 0:
+            weights = _DiesAfter(named, 3, how) if doomed and phase == "mid-update" else ModuleSource(named)
+            asyncio.run(engine.send_weights(weights))
+        elif doomed and phase == "mid-update":
+            async def consume_then_lose():
+                k = 0
+                async for _ in engine.receive_weights():
+                    k += 1
+                    if k == 3:
+                        _lose(how)
+            asyncio.run(consume_then_lose())
+        else:
+            asyncio.run(sink.load(engine.receive_weights()))
     except WeightbusError as e:
         res["error"] = str(e)
     res["seconds"] = time.monotonic() - t0

@@ -1,0 +1,364 @@
+"""Backend ``nixl``: pipelined chains of one-sided NIXL writes between registered bucket
+slots (UCX: host memory anywhere, device memory where NIXL has CUDA).
+
+Topology, T trainer ranks and R rollout ranks::
+
+    chain i (one per trainer rank):  trainer i -> rollout i%R -> rollout (i+1)%R -> ... (R hops)
+
+Bucket b travels down chain b mod T (its owner's). Every trainer rank's link carries its own
+share of the model once, whatever R is; each rollout forwards bucket b to the next one in
+the chain while it unpacks it, so another receiver adds one hop of latency, not a model's
+worth of time. Chains start at different rollouts, so the forwarding work is spread.
+
+Every rank registers a ring of S = ``num_buffers`` slots; bucket b lands in slot b mod S on
+every rollout. The writer of a slot must hold a *credit* for it: a rollout that is done with
+bucket b-S (unpacked, and forwarded) sends "credit b" to whoever writes bucket b into it (its
+upstream in chain b mod T); the first S credits go out when an update starts. Data and
+credits are NIXL notifications tagged with the group's formation and the version, so nothing
+from a failed update is mistaken for the next one. Header and final status travel over the
+core's gloo control group, like every engine's, so a failure anywhere fails the update on
+every rank, and every wait has the engine's deadline.
+
+NIXL (``pip install 'weightbus[nixl]'``) does the moving: we only decide who writes which
+slot when, which no NIXL API covers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+import torch
+
+from weightbus import buffers, comm
+from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers
+from weightbus.errors import PlanError
+from weightbus.plan import Bucket, BucketPlan, Manifest
+
+#: seconds a wait sleeps between polls: short next to a bucket's transfer, long enough to
+#: leave the CPU to UCX's own threads and to the peer processes on the host
+_SPIN = 50e-6
+
+
+def _nixl_api() -> Any:
+    """NIXL's Python API, or an error that says how to get it."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # the meta package picks the build
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+        except ImportError:
+            try:
+                from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+            except ImportError:
+                raise PlanError("backend 'nixl' needs NIXL: pip install 'weightbus[nixl]' (or "
+                                "nixl-cu12 / nixl-cu13 for your CUDA)") from None
+    return nixl_agent, nixl_agent_config
+
+
+@CheckpointEngineRegistry.register("nixl")
+class NixlEngine(BucketEngine):
+    """Chain engine over NIXL one-sided writes (see the module doc)."""
+
+    def __init__(self, bucket_size: int | None = None, **kwargs: Any):
+        self._api = _nixl_api()  # fails here, naming the extra, not at the first update
+        super().__init__(bucket_size, **kwargs)
+        self._agent: Any = None
+        self._agent_name = ""
+        self._reg: Any = None
+        self._slots: list[torch.Tensor] = []
+        self._store_server: Any = None
+        self._token = ""
+        self._formed = 0
+        self._formed_token = ""
+        self._peers: dict[int, tuple[str, list[tuple[int, int, int]]]] = {}  # rank -> (agent, slots)
+        self._inbox: set[tuple[str, int]] = set()  # ("d" | "c", bucket) of the current update
+        self._tag = ""  # formation/version of the current update
+        self._writes: dict[Any, Any] = {}  # key -> (handle, peer, bucket, state) not yet waited on
+        self.T = self.R = 1
+
+    # --- lifecycle ---------------------------------------------------------------------
+    @property
+    def _mem(self) -> str:
+        return "VRAM" if self.device.type == "cuda" else "DRAM"
+
+    def prepare(self) -> dict[str, Any]:
+        if not self._slots or self._slots[0].numel() < self.bucket_size:
+            self._register()
+        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
+                                **self.buffer_metadata(), "agent": self._agent_name,
+                                "nixl": self._agent.get_agent_metadata(),
+                                "slots": [self._desc(s) for s in self._slots]}
+        if self.role != "rollout":
+            if self._store_server is None:
+                self._store_server = comm.serve_store(self.timeout)
+            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
+            meta.update(port=self._store_server.port, token=self._token)
+        return meta
+
+    def _desc(self, t: torch.Tensor) -> tuple[int, int, int]:
+        return (t.data_ptr(), t.numel(), t.device.index or 0)
+
+    def _register(self) -> None:
+        """Slots sized from this rank's own bucket size (the group may agree on a smaller
+        one: a slot larger than a bucket is fine), registered once with a new agent."""
+        self._teardown_agent()
+        nixl_agent, nixl_agent_config = self._api
+        self._agent_name = f"wb-{os.getpid()}-{id(self):x}-{secrets.token_hex(4)}"
+        self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+        self._slots = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
+        self._forget_views()
+        self._reg = self._agent.register_memory(self._slots)
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        T, R = trainer_world_size, rollout_world_size
+        if T < 1 or R < 1:
+            raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
+        if len(metadata) != T + R:
+            raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+        if "port" not in metadata[0]:
+            raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
+        common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
+                  "master_port": metadata[0]["port"], "token": metadata[0]["token"],
+                  "bucket_size": agree_buffers(T, metadata)}
+        ranks = list(range(T + R))
+
+        def peers(rank: int) -> dict[int, tuple[str, bytes, list]]:
+            # a rank talks to its neighbours in every chain only
+            near = {p for c in range(T) for p in _neighbours(rank, c, T, R) if p is not None}
+            return {p: (metadata[p]["agent"], metadata[p]["nixl"], metadata[p]["slots"]) for p in near}
+
+        def side(rs: list[int]) -> dict[str, list]:
+            per_rank = {"rank": rs, "peers": [peers(r) for r in rs]}
+            return {k: [v] * len(rs) for k, v in common.items()} | per_rank
+        return side(ranks[:T]), side(ranks[T:])
+
+    def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
+                           master_addr: str, master_port: int, token: str, peers: dict[int, Any],
+                           bucket_size: int | None = None) -> None:
+        T, R = trainer_world_size, rollout_world_size
+        if bucket_size is not None:
+            if self._slots and self._slots[0].numel() < bucket_size:
+                raise PlanError(f"{self.where()}: the group agreed on {bucket_size}-byte buckets, but "
+                                f"this rank's slots hold {self._slots[0].numel()}: call prepare() again")
+            self._bucket_size = int(bucket_size)
+            self._plans.clear()
+        self.rank, self.world_size, self.T, self.R = rank, T + R, T, R
+        self.role = "trainer" if rank < T else "rollout"
+        self.trainer_rank = rank if rank < T else -1
+        self.n_senders = T
+        self._drop_group()
+        if token != self._formed_token:
+            self._formed_token, self._formed = token, 0
+        self._formed += 1
+        prefix = f"wb/{token}/{self._formed}"
+        for p, (name, agent_meta, slots) in peers.items():
+            self._agent.add_remote_agent(agent_meta)
+            self._peers[p] = (name, [tuple(s) for s in slots])
+        self._store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
+        self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
+                                   None, self.where())
+        self._ctl_rank = rank
+        self._broken = None
+        self._peers_fingerprint = None
+        self._group_tag = f"{token}/{self._formed}"
+
+    rebuild_group = init_process_group
+
+    def _drop_group(self) -> None:
+        self._wait_writes(None)
+        for name, _ in self._peers.values():
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        self._peers = {}
+        if self._ctl is not None and self._broken:
+            try:
+                self._ctl.abort()
+            except Exception:  # noqa: BLE001 - it failed already
+                pass
+        self._ctl = None
+
+    def _teardown_agent(self) -> None:
+        if self._agent is not None:
+            self._drop_group()
+            try:
+                if self._reg is not None:
+                    self._agent.deregister_memory(self._reg)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self._agent, self._reg, self._slots = None, None, []
+        self._forget_views()
+
+    def finalize(self, destroy_group: bool = False) -> None:
+        if destroy_group:
+            self._teardown_agent()
+            self._store_server = None
+        else:
+            self._wait_writes(None)
+
+    # --- the current update's tag and mailbox ----------------------------------------
+    def _transfer(self, manifest: Manifest, stream: Any, version: int,
+                  error: str | None) -> tuple[str | None, int, int]:
+        self._begin(version)
+        return super()._transfer(manifest, stream, version, error)
+
+    def _open_receive(self, expected: Any, validate: Any = None) -> Any:
+        start, version, manifest, error = super()._open_receive(expected, validate)
+        self._begin(version)
+        return start, version, manifest, error
+
+    def _begin(self, version: int) -> None:
+        self._tag = f"{self._group_tag}/{version}"
+        self._inbox.clear()
+
+    def _poll(self) -> None:
+        prefix = self._tag + "/"
+        for msgs in self._agent.get_new_notifs().values():
+            for m in msgs:
+                kind, _, rest = m.decode(errors="replace").partition(":")
+                if rest.startswith(prefix):  # anything else is from an update that failed
+                    self._inbox.add((kind, int(rest[len(prefix):])))
+
+    def _await(self, kind: str, b: int, peer: int, phase: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while (kind, b) not in self._inbox:
+            self._progress()
+            self._poll()
+            if (kind, b) in self._inbox:
+                break
+            if time.monotonic() > deadline:
+                raise self._fail(phase, TimeoutError(
+                    f"no {'data' if kind == 'd' else 'credit'} for bucket {b} from "
+                    f"{self._who(peer)} within {self.timeout:.0f}s"))
+            time.sleep(_SPIN)
+        self._inbox.discard((kind, b))
+
+    def _progress(self) -> None:
+        """Drive our writes in flight: UCX moves a write (and delivers its notification)
+        only while its initiator asks for its state; a write that failed fails the update
+        now, naming the peer."""
+        for key, (handle, peer, b, state) in list(self._writes.items()):
+            if state == "PROC":
+                state = self._agent.check_xfer_state(handle)
+                self._writes[key] = (handle, peer, b, state)
+            if state not in ("PROC", "DONE"):
+                self._writes.pop(key)
+                self._release_handle(handle)
+                raise self._fail(f"write bucket {b} to {self._who(peer)}",
+                                 RuntimeError(f"NIXL reports {state} (is it gone?)"))
+
+    def _who(self, rank: int) -> str:
+        return f"trainer rank {rank}" if rank < self.T else f"rollout rank {rank - self.T}"
+
+    def _notify(self, peer: int, kind: str, b: int) -> None:
+        self._agent.send_notif(self._peers[peer][0], f"{kind}:{self._tag}/{b}".encode())
+
+    def _write(self, key: Any, src: torch.Tensor, peer: int, b: Bucket) -> None:
+        """Post a write of ``src`` into ``peer``'s slot for bucket ``b``; the notification
+        that it landed travels with it."""
+        name, slots = self._peers[peer]
+        addr, _, dev = slots[b.index % len(slots)]
+        local = self._agent.get_xfer_descs([(src.data_ptr(), b.wire_bytes, src.device.index or 0)], self._mem)
+        remote = self._agent.get_xfer_descs([(addr, b.wire_bytes, dev)], self._mem)
+        note = f"d:{self._tag}/{b.index}".encode()
+        handle = self._agent.initialize_xfer("WRITE", local, remote, name, note)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._release_handle(handle)
+            raise self._fail(f"write bucket {b.index} to {self._who(peer)}",
+                             RuntimeError("NIXL refused the transfer"))
+        self._writes[key] = (handle, peer, b.index, state)
+
+    def _wait_writes(self, key: Any) -> None:
+        """Until the write under ``key`` (None: every write) has landed."""
+        keys = list(self._writes) if key is None else ([key] if key in self._writes else [])
+        for k in keys:
+            deadline = time.monotonic() + self.timeout
+            while k in self._writes and self._writes[k][3] == "PROC":
+                try:
+                    self._progress()
+                except Exception:
+                    if key is None and self._broken:
+                        break  # tearing down after a failure
+                    raise
+                if k in self._writes and self._writes[k][3] == "PROC":
+                    if time.monotonic() > deadline:
+                        _, peer, b, _ = self._writes[k]
+                        raise self._fail(f"write bucket {b} to {self._who(peer)}",
+                                         TimeoutError(f"still in flight after {self.timeout:.0f}s"))
+                    time.sleep(_SPIN)
+            if k in self._writes:
+                self._release_handle(self._writes.pop(k)[0])
+
+    def _release_handle(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - released with the agent anyway
+            pass
+
+    # --- transport hooks ---------------------------------------------------------------
+    def _packs(self, b: Bucket) -> bool:
+        return b.owner == self.trainer_rank
+
+    def _owners(self, plan: BucketPlan, index: int) -> frozenset[int]:
+        return plan.owners_of(index)
+
+    def _acquire(self, b: Bucket) -> torch.Tensor:
+        s = (b.index // self.T) % self.num_buffers  # this trainer's own buckets, in turn
+        self._wait_writes(("out", s))
+        return self._slots[s]
+
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # packed before NIXL reads it
+        head = self.T + _chain(b.owner, self.R)[0]
+        self._await("c", b.index, head, f"send bucket {b.index}: waiting for a free slot")
+        self._write(("out", (b.index // self.T) % self.num_buffers), slot, head, b)
+
+    def _flush_send(self, plan: BucketPlan) -> None:
+        self._wait_writes(None)
+
+    def _post_recv(self, b: Bucket) -> None:
+        # slot b mod S is free here: whoever writes bucket b into it may go ahead
+        up, _ = _neighbours(self.rank, b.owner, self.T, self.R)
+        self._notify(up, "c", b.index)  # type: ignore[arg-type]
+
+    def _wait_recv(self, b: Bucket) -> torch.Tensor:
+        up, down = _neighbours(self.rank, b.owner, self.T, self.R)
+        self._await("d", b.index, up, f"receive bucket {b.index} from {self._who(up)}")  # type: ignore[arg-type]
+        slot = self._slots[b.index % self.num_buffers]
+        if down is not None:  # pass it on while we unpack it
+            self._await("c", b.index, down, f"forward bucket {b.index} to {self._who(down)}")
+            self._write(("fwd", b.index), slot, down, b)
+        return slot
+
+    def _release(self, b: Bucket) -> None:
+        self._wait_writes(("fwd", b.index))  # forwarded before the slot is offered again
+        if self.device.type == "cuda":  # and unpacked: the copies out of it have run
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _flush_recv(self, plan: BucketPlan) -> None:
+        self._wait_writes(None)
+
+
+def _chain(c: int, R: int) -> list[int]:
+    """Rollout ranks (0-based among rollouts) of chain ``c``, in order."""
+    return [(c + k) % R for k in range(R)]
+
+
+def _neighbours(rank: int, c: int, T: int, R: int) -> tuple[int | None, int | None]:
+    """(upstream, downstream) global ranks of ``rank`` in chain ``c``; None where there is
+    none (a trainer has no upstream; the tail has no downstream; a trainer not owning chain
+    ``c`` has neither)."""
+    order = [c] + [T + x for x in _chain(c, R)]
+    if rank not in order:
+        return None, None
+    k = order.index(rank)
+    return (order[k - 1] if k > 0 else None), (order[k + 1] if k + 1 < len(order) else None)
+
