@@ -15,6 +15,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	# the nixl backend's tests: NIXL's CUDA 12 build (its UCX moves host memory on any
+	# machine) and, without its dependencies, the `nixl` package that picks the build
+	$(BIN)/pip install -q nixl-cu12==1.5.1
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	touch $@
 
 demo: $(BIN)/.installed

@@ -298,6 +298,14 @@ def test_shm_bucket_larger_than_dev_shm():
         buffers.SharedBuffer(room + (1 << 40))
 
 
+def test_backend_without_its_extra_says_which_to_install(monkeypatch):
+    for mod in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api"):
+        monkeypatch.setitem(sys.modules, mod, None)  # as if not installed
+    with pytest.raises(WeightbusError, match=r"backend 'nixl' needs NIXL: pip install 'weightbus\[nixl\]'"):
+        CheckpointEngineRegistry.new("nixl")
+    assert "nixl" in CheckpointEngineRegistry.names()  # registered all the same
+
+
 def test_no_module_with_no_weights():
     with pytest.raises(WeightbusError, match="empty weight stream"):
         BucketPlan(ModuleSource(nn.Module()).manifest, 1 << 20)

@@ -34,7 +34,7 @@ import torch
 
 from weightbus import buffers, comm
 from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers
-from weightbus.errors import PlanError
+from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 #: seconds a wait sleeps between polls: short next to a bucket's transfer, long enough to
@@ -78,6 +78,9 @@ class NixlEngine(BucketEngine):
         self._tag = ""  # formation/version of the current update
         self._writes: dict[Any, Any] = {}  # key -> (handle, peer, bucket, state) not yet waited on
         self.T = self.R = 1
+        self._group_tag = ""
+        self._abort_reason = ""  # a neighbour's failure, told to us
+        self._told_abort = False
 
     # --- lifecycle ---------------------------------------------------------------------
     @property
@@ -157,7 +160,12 @@ class NixlEngine(BucketEngine):
         self._formed += 1
         prefix = f"wb/{token}/{self._formed}"
         for p, (name, agent_meta, slots) in peers.items():
-            self._agent.add_remote_agent(agent_meta)
+            try:
+                self._agent.add_remote_agent(agent_meta)
+            except Exception as e:  # noqa: BLE001 - e.g. UCX cannot reach it: it is gone
+                self._drop_group()
+                raise WeightSyncError(f"{self.where()}: forming the group: cannot connect to "
+                                      f"{self._who_in(p, T)}'s NIXL agent {name!r}: {e}") from e
             self._peers[p] = (name, [tuple(s) for s in slots])
         self._store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
         self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
@@ -166,6 +174,7 @@ class NixlEngine(BucketEngine):
         self._broken = None
         self._peers_fingerprint = None
         self._group_tag = f"{token}/{self._formed}"
+        self._abort_reason, self._told_abort = "", False
 
     rebuild_group = init_process_group
 
@@ -219,11 +228,31 @@ class NixlEngine(BucketEngine):
 
     def _poll(self) -> None:
         prefix = self._tag + "/"
-        for msgs in self._agent.get_new_notifs().values():
+        try:
+            notes = self._agent.get_new_notifs()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("reading notifications", e) from e
+        for msgs in notes.values():
             for m in msgs:
                 kind, _, rest = m.decode(errors="replace").partition(":")
-                if rest.startswith(prefix):  # anything else is from an update that failed
+                if kind == "a" and rest.startswith(self._group_tag + "/"):
+                    self._abort_reason = self._abort_reason or rest[len(self._group_tag) + 1:]
+                elif rest.startswith(prefix):  # anything else is from an update that failed
                     self._inbox.add((kind, int(rest[len(prefix):])))
+
+    def _fail(self, phase: str, e: BaseException) -> Any:
+        """A failure here is also told to every neighbour at once (a chain has no collective
+        that would carry it), so theirs waits end now, with our reason, not at their deadline."""
+        err = super()._fail(phase, e)
+        if not self._told_abort and self._agent is not None:
+            self._told_abort = True
+            note = f"a:{self._group_tag}/{str(err)[:512]}".encode()
+            for name, _ in self._peers.values():
+                try:
+                    self._agent.send_notif(name, note)
+                except Exception:  # noqa: BLE001 - best effort: it may be the one gone
+                    pass
+        return err
 
     def _await(self, kind: str, b: int, peer: int, phase: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -232,6 +261,8 @@ class NixlEngine(BucketEngine):
             self._poll()
             if (kind, b) in self._inbox:
                 break
+            if self._abort_reason:
+                raise self._fail(phase, RuntimeError(f"a peer aborted: {self._abort_reason}"))
             if time.monotonic() > deadline:
                 raise self._fail(phase, TimeoutError(
                     f"no {'data' if kind == 'd' else 'credit'} for bucket {b} from "
@@ -245,7 +276,10 @@ class NixlEngine(BucketEngine):
         now, naming the peer."""
         for key, (handle, peer, b, state) in list(self._writes.items()):
             if state == "PROC":
-                state = self._agent.check_xfer_state(handle)
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as e:  # noqa: BLE001 - NIXL raises when the peer is gone
+                    state = f"ERR ({type(e).__name__}: {e})"
                 self._writes[key] = (handle, peer, b, state)
             if state not in ("PROC", "DONE"):
                 self._writes.pop(key)
@@ -254,21 +288,36 @@ class NixlEngine(BucketEngine):
                                  RuntimeError(f"NIXL reports {state} (is it gone?)"))
 
     def _who(self, rank: int) -> str:
-        return f"trainer rank {rank}" if rank < self.T else f"rollout rank {rank - self.T}"
+        return self._who_in(rank, self.T)
+
+    @staticmethod
+    def _who_in(rank: int, T: int) -> str:
+        return f"trainer rank {rank}" if rank < T else f"rollout rank {rank - T}"
 
     def _notify(self, peer: int, kind: str, b: int) -> None:
-        self._agent.send_notif(self._peers[peer][0], f"{kind}:{self._tag}/{b}".encode())
+        try:
+            self._agent.send_notif(self._peers[peer][0], f"{kind}:{self._tag}/{b}".encode())
+        except Exception as e:  # noqa: BLE001 - NIXL raises when the peer is gone
+            raise self._fail(f"credit for bucket {b} to {self._who(peer)}", e) from e
 
     def _write(self, key: Any, src: torch.Tensor, peer: int, b: Bucket) -> None:
         """Post a write of ``src`` into ``peer``'s slot for bucket ``b``; the notification
         that it landed travels with it."""
         name, slots = self._peers[peer]
         addr, _, dev = slots[b.index % len(slots)]
-        local = self._agent.get_xfer_descs([(src.data_ptr(), b.wire_bytes, src.device.index or 0)], self._mem)
-        remote = self._agent.get_xfer_descs([(addr, b.wire_bytes, dev)], self._mem)
-        note = f"d:{self._tag}/{b.index}".encode()
-        handle = self._agent.initialize_xfer("WRITE", local, remote, name, note)
-        state = self._agent.transfer(handle)
+        try:
+            mine = (src.data_ptr(), b.wire_bytes, src.device.index or 0)
+            local = self._agent.get_xfer_descs([mine], self._mem)
+            remote = self._agent.get_xfer_descs([(addr, b.wire_bytes, dev)], self._mem)
+            note = f"d:{self._tag}/{b.index}".encode()
+            handle = self._agent.initialize_xfer("WRITE", local, remote, name, note)
+        except Exception as e:  # noqa: BLE001 - NIXL raises when the peer is gone
+            raise self._fail(f"write bucket {b.index} to {self._who(peer)}", e) from e
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001
+            self._release_handle(handle)
+            raise self._fail(f"write bucket {b.index} to {self._who(peer)}", e) from e
         if state == "ERR":
             self._release_handle(handle)
             raise self._fail(f"write bucket {b.index} to {self._who(peer)}",
