@@ -33,3 +33,19 @@ def test_bench_stress_preset_and_checks_before_running(tmp_path):
                        (dict(preset="tiny", layers=0), "--layers 0")):
         with pytest.raises(ValueError, match=named):
             BenchConfig(**{"scenario": "disaggregated", "preset": "tiny", "gpu": False} | bad)
+
+
+def test_bench_backends_and_receivers_cpu():
+    """The disaggregated scenario over a chosen engine and several receivers: each row next
+    to its own engine's raw transfer, every receiver verified."""
+    nixl = pytest.importorskip("nixl")
+    assert nixl
+    for backend in ("gloo", "nixl"):
+        row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=1, gpu=False, timeout=120,
+                                    backend=backend, receivers=2))
+        assert row["verified"] and row["scenario"] == f"disagg {backend} 1->2"
+        assert (row["naive_s"] is not None) == (backend == "gloo")
+    with pytest.raises(ValueError, match="backend= applies to the disaggregated scenario only"):
+        BenchConfig(scenario="colocated", preset="tiny", gpu=False, backend="nixl")
+    with pytest.raises(ValueError, match="receivers must be an int >= 1"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, receivers=0)

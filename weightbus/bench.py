@@ -43,6 +43,8 @@ from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 
 SCENARIOS = ("colocated", "colocated-direct", "disaggregated", "hybrid-fsdp", "hybrid-fsdp-direct")
+#: engines the disaggregated scenario can run (the floor is each one's raw transfer)
+DISAGG_BACKENDS = ("gloo", "nccl", "nixl")
 WIRE = torch.bfloat16
 TRAINER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: elements per bulk operation of the floors ("one cast or copy per large chunk")
@@ -61,11 +63,23 @@ class BenchConfig:
     timeout: float = 300.0
     trainer_dtype: str = "fp32"  # the trainer's weights: fp32 (cast on the way) or bf16
     layers: int | None = None  # only the first N decoder layers of the preset
+    #: disaggregated: the engine (None: nccl on a GPU, gloo without) and how many rollouts
+    backend: str | None = None
+    receivers: int = 1
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
+        if self.backend is not None and self.backend not in DISAGG_BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(DISAGG_BACKENDS)}, got {self.backend!r}")
+        if self.backend is not None and self.scenario != "disaggregated":
+            raise ValueError("backend= applies to the disaggregated scenario only")
+        if not isinstance(self.receivers, int) or self.receivers < 1:
+            raise ValueError(f"receivers must be an int >= 1, got {self.receivers!r}")
+        if self.receivers > 1 and self.gpu:
+            raise ValueError("several receivers run on the CPU only here (one GPU per rank: see "
+                             "benchmarks/ for multi-GPU runs)")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype must be one of {', '.join(TRAINER_DTYPES)}, "
                              f"got {self.trainer_dtype!r}")
@@ -75,6 +89,16 @@ class BenchConfig:
 
     def label(self) -> str:
         return self.preset + (f"/{self.layers}L" if self.layers else "")
+
+    @property
+    def engine(self) -> str:
+        return self.backend or ("nccl" if self.gpu else "gloo")
+
+    def row_name(self) -> str:
+        """The scenario as the table shows it: with its engine and receivers when chosen."""
+        if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1):
+            return self.scenario
+        return f"disagg {self.engine} 1->{self.receivers}"
 
 
 # ------------------------------------------------------------------ helpers
@@ -223,6 +247,34 @@ def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]
         w.wait()
 
 
+def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
+    """The floor of the nixl engine: the same bucket bytes written one-sided from the
+    trainer's slots to the head of its chain, two in flight, with no packing, credits,
+    forwarding or checks (a chain adds hops, not bytes on the trainer's link)."""
+    agent, slots, peers = engine._agent, engine._slots, engine._peers  # type: ignore[attr-defined]
+    head = next(iter(peers.values()))
+    mem = engine._mem  # type: ignore[attr-defined]
+    pending: list[Any] = []
+
+    def wait(h: Any) -> None:
+        while agent.check_xfer_state(h) == "PROC":
+            pass
+        agent.release_xfer_handle(h)
+
+    for b in plan.buckets:
+        if len(pending) >= 2:
+            wait(pending.pop(0))
+        src = slots[b.index % len(slots)]
+        addr, _, dev = head[1][b.index % len(head[1])]
+        local = agent.get_xfer_descs([(src.data_ptr(), b.wire_bytes, src.device.index or 0)], mem)
+        h = agent.initialize_xfer("WRITE", local, agent.get_xfer_descs([(addr, b.wire_bytes, dev)], mem),
+                                  head[0])
+        agent.transfer(h)
+        pending.append(h)
+    for h in pending:
+        wait(h)
+
+
 def _update_fn(engine: CheckpointEngine, source: ModuleSource | None,
                weights: dict[str, torch.Tensor] | None) -> Any:
     """One weightbus update: trainers (``source``) send, rollouts load into ``weights``."""
@@ -241,23 +293,29 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     device = _device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=cfg.timeout)
+    world = 1 + cfg.receivers
+    rdv = Rendezvous("127.0.0.1", port, rank, world, timeout=cfg.timeout)
     trainer = rank == 0
     weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
     engine = CheckpointEngineRegistry.new(
-        "nccl" if cfg.gpu else "gloo", device=device, timeout=cfg.timeout,
+        cfg.engine, device=device, timeout=cfg.timeout,
         bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
     if not trainer:
         engine.set_destinations(weights)
-    connect(engine, rdv, 1, 1)
+    connect(engine, rdv, 1, cfg.receivers)
     source = ModuleSource(weights, dtype=WIRE) if trainer else None
     plan = engine._plan(source.manifest if trainer else _manifest_of(cfg))  # type: ignore[attr-defined]
-    group = engine._data[0]  # type: ignore[attr-defined]
-    floor_slots = [torch.empty(engine.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
+    if cfg.engine == "nixl":
+        floor = (lambda: raw_nixl(engine, plan)) if trainer else (lambda: None)  # one-sided
+        group = None
+    else:
+        group = engine._data[0]  # type: ignore[attr-defined]
+        floor_slots = [torch.empty(engine.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
+        floor = lambda: raw_broadcast(engine, plan, floor_slots)  # noqa: E731
 
     weightbus = _update_fn(engine, source, weights)
 
-    def naive() -> None:
+    def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
         for t in weights.values():
             buf = t.to(WIRE) if trainer else t
@@ -268,7 +326,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             w.wait()
 
     times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
-                           lambda: raw_broadcast(engine, plan, floor_slots), weightbus, naive)
+                           floor, weightbus, naive if group is not None else None)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -400,7 +458,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     if cfg.scenario == "disaggregated":
-        res = spawn(_disaggregated, 2, (cfg, store.port), timeout=cfg.timeout * 3)
+        res = spawn(_disaggregated, 1 + cfg.receivers, (cfg, store.port), timeout=cfg.timeout * 3)
         trainer, rollouts = res[0], res[1:]
     elif cfg.scenario in ("colocated", "colocated-direct"):
         res = spawn(_colocated, 2, (cfg, store.port), timeout=cfg.timeout * 3)
@@ -417,7 +475,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in trainer["times"].items() if v}
     verified = all(r["checksums"] == trainer["checksums"] for r in rollouts)
     row: dict[str, Any] = {
-        "scenario": cfg.scenario, "preset": cfg.label(), "device": _device_name(cfg),
+        "scenario": cfg.row_name(), "preset": cfg.label(), "device": _device_name(cfg),
         "trainer_dtype": cfg.trainer_dtype, "tensors": len(cfg.shapes()), "bytes": nbytes,
         "bucket_bytes": trainer["engine_buffers"] // 2, "iters": cfg.iters,
         "floor_s": med["floor"], "weightbus_s": med["weightbus"], "naive_s": med.get("naive"),

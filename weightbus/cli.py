@@ -81,6 +81,13 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"weightbus bench: {e}", file=sys.stderr)
             return 2
     scenarios = args.scenario or [s for s in SCENARIOS if gpu or not s.endswith("-direct")]
+    engines: list[str | None] = args.backend or [None]
+    if args.backend or args.receivers != 1:  # they are the disaggregated scenario's knobs
+        if args.scenario and set(args.scenario) != {"disaggregated"}:
+            print("weightbus bench: --backend and --receivers apply to --scenario disaggregated only",
+                  file=sys.stderr)
+            return 2
+        scenarios = ["disaggregated"]
     if gpu and torch.cuda.device_count() < 2:
         dropped = [s for s in scenarios if not s.startswith("colocated")]
         scenarios = [s for s in scenarios if s.startswith("colocated")]
@@ -88,8 +95,9 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"one GPU: not running {', '.join(dropped)} (they need 2)", flush=True)
     try:  # every argument checked before anything starts
         configs = [BenchConfig(scenario=s, preset=p, iters=args.iters, bucket_mb=args.bucket_mb,
-                               trainer_dtype=args.trainer_dtype, layers=args.layers)
-                   for p in names for s in scenarios]
+                               trainer_dtype=args.trainer_dtype, layers=args.layers, backend=e,
+                               receivers=args.receivers)
+                   for p in names for s in scenarios for e in engines]
     except ValueError as e:
         print(f"weightbus bench: {e}", file=sys.stderr)
         return 2
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", help="also write the rows as JSON to this file")
     d.set_defaults(fn=_demo)
     from weightbus import presets
-    from weightbus.bench import SCENARIOS, TRAINER_DTYPES
+    from weightbus.bench import DISAGG_BACKENDS, SCENARIOS, TRAINER_DTYPES
     b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run",
                        formatter_class=_Defaults)
     b.add_argument("--scenario", action="append", choices=SCENARIOS,
@@ -142,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 1024 if --tensors is given)")
     b.add_argument("--trainer-dtype", choices=list(TRAINER_DTYPES), default="fp32",
                    help="the trainer's weights (bf16 on the wire either way)")
+    b.add_argument("--backend", action="append", choices=list(DISAGG_BACKENDS),
+                   help="repeatable: the disaggregated scenario's engine, each next to its own raw "
+                        "transfer (default: nccl on a GPU, gloo without)")
+    b.add_argument("--receivers", type=int, default=1,
+                   help="rollout ranks of the disaggregated scenario (CPU: processes of this host)")
     b.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default: sized from free memory)")
     b.add_argument("--json", help="write the rows as JSON to this file")
