@@ -30,6 +30,7 @@ DEADLINE = 2.5
 #: how a survivor's error names the phase it lost its peer in
 PHASE_WORDS = {"formation": re.compile("rendezvous|forming"), "header": re.compile("header"),
                "mid-update": re.compile("bucket \\d+"), "final-status": re.compile("finish")}
+EITHER = re.compile("header|bucket \\d+")
 
 
 def _shm_of(pid: int) -> list[str]:
@@ -46,7 +47,10 @@ except ImportError:
     HAVE_NIXL = False
 
 # (backend, who is lost, how): the trainer or a rollout, SIGKILLed or SIGSTOPped
-LOST = [(b, w, h) for b in ("colocated", "gloo") for w in ("trainer", "rollout") for h in ("kill", "stop")]
+# (a stopped peer is found by the same deadline on every backend: once, on colocated, where
+# it also holds shared memory)
+LOST = [(b, w, h) for b in ("colocated", "gloo") for w in ("trainer", "rollout")
+        for h in (("kill", "stop") if b == "colocated" else ("kill",))]
 LOST += [("nixl", w, "kill") for w in ("trainer", "rollout")] if HAVE_NIXL else []
 
 
@@ -86,7 +90,11 @@ def test_peer_lost_at_every_phase(port, backend, phase, who, how):
         err, seconds = res["error"], res["seconds"]
         assert err is not None, res
         assert seconds < DEADLINE * 2 + 5, res  # the deadline plus a margin, never a hang
-        assert PHASE_WORDS[phase].search(err), err  # names the phase
+        # names the phase it lost its peer in: a rollout lost before the header is noticed by
+        # the root there, by the other rollouts at the first bucket (the header never waits
+        # for a fellow receiver)
+        words = EITHER if (who, phase) == ("rollout", "header") else PHASE_WORDS[phase]
+        assert words.search(err), err
         assert ("trainer" if rank == 0 else "rollout") + " rank" in err or "rendezvous" in err, err
         if rank and phase != "formation":
             # never a version it does not hold: the old one if nothing was written
