@@ -49,7 +49,14 @@ def _usage(groups) -> dict[str, tuple[int, int]]:
     return {f"{g.name}/{i}": (_rss_kib(pid), _fds(pid)) for g in groups for i, pid in enumerate(g.pids())}
 
 
-@pytest.mark.parametrize("backend", ["gloo", "colocated"])
+try:
+    import nixl  # noqa: F401
+    NIXL = ["nixl"]
+except ImportError:
+    NIXL = []
+
+
+@pytest.mark.parametrize("backend", ["gloo", "colocated", *NIXL])
 def test_soak(backend):
     trainer = LocalWorkerGroup(Trainer, 1, name="trainer")
     stay = LocalWorkerGroup(Rollout, 2, name="stay")  # a replica of 2 ranks, there throughout

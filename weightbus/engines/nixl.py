@@ -88,8 +88,7 @@ class NixlEngine(BucketEngine):
         return "VRAM" if self.device.type == "cuda" else "DRAM"
 
     def prepare(self) -> dict[str, Any]:
-        if not self._slots or self._slots[0].numel() < self.bucket_size:
-            self._register()
+        self._register()
         meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
                                 **self.buffer_metadata(), "agent": self._agent_name,
                                 "nixl": self._agent.get_agent_metadata(),
@@ -105,14 +104,22 @@ class NixlEngine(BucketEngine):
         return (t.data_ptr(), t.numel(), t.device.index or 0)
 
     def _register(self) -> None:
-        """Slots sized from this rank's own bucket size (the group may agree on a smaller
-        one: a slot larger than a bucket is fine), registered once with a new agent."""
-        self._teardown_agent()
+        """A new agent for every formation, with the slots registered to it. Slots are
+        sized from this rank's own bucket size (the group may agree on a smaller one: a slot
+        larger than a bucket is fine) and kept while they are large enough.
+
+        A new agent, not the old one with peers removed and added again: NIXL (1.5, UCX)
+        keeps a connection's descriptors after ``remove_remote_agent``, so a long job whose
+        replicas come and go would run out of them; dropping the agent frees them all."""
+        keep = self._slots if self._slots and self._slots[0].numel() >= self.bucket_size else []
+        self._drop_agent()
         nixl_agent, nixl_agent_config = self._api
         self._agent_name = f"wb-{os.getpid()}-{id(self):x}-{secrets.token_hex(4)}"
         self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
-        self._slots = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
-        self._forget_views()
+        if not keep:
+            keep = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
+            self._forget_views()
+        self._slots = keep
         self._reg = self._agent.register_memory(self._slots)
 
     @classmethod
@@ -193,7 +200,8 @@ class NixlEngine(BucketEngine):
                 pass
         self._ctl = None
 
-    def _teardown_agent(self) -> None:
+    def _drop_agent(self) -> None:
+        """Writes in flight end, the agent goes (and every connection with it)."""
         if self._agent is not None:
             self._drop_group()
             try:
@@ -201,7 +209,11 @@ class NixlEngine(BucketEngine):
                     self._agent.deregister_memory(self._reg)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
-        self._agent, self._reg, self._slots = None, None, []
+        self._agent, self._reg = None, None
+
+    def _teardown_agent(self) -> None:
+        self._drop_agent()
+        self._slots = []
         self._forget_views()
 
     def finalize(self, destroy_group: bool = False) -> None:
