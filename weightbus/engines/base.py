@@ -201,6 +201,15 @@ class CheckpointEngine(ABC):
                 "num_buffers": self.num_buffers, "alignment": ALIGNMENT}
 
 
+def check_sides(trainer_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> None:
+    """What every ``build_topology`` needs: both sides present, one metadata entry per rank."""
+    T, R = trainer_world_size, rollout_world_size
+    if T < 1 or R < 1:
+        raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
+    if len(metadata) != T + R:
+        raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+
+
 def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> int:
     """The bucket size every rank of a group uses, from every rank's metadata: the size
     ranks were given explicitly (they must all agree), else the smallest that fits every

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers
+from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.errors import PlanError
 from weightbus.plan import Bucket, BucketPlan
 
@@ -70,12 +70,7 @@ class CollectiveEngine(BucketEngine):
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-        if trainer_world_size < 1 or rollout_world_size < 1:
-            raise PlanError(f"need at least one trainer and one rollout rank, got "
-                            f"{trainer_world_size} and {rollout_world_size}")
-        if len(metadata) != trainer_world_size + rollout_world_size:
-            raise PlanError(f"metadata has {len(metadata)} entries for "
-                            f"{trainer_world_size}+{rollout_world_size} ranks")
+        check_sides(trainer_world_size, rollout_world_size, metadata)
         master = metadata[0]
         if "port" not in master:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")

@@ -43,6 +43,7 @@ from weightbus.engines.base import (
     UpdateStats,
     Validator,
     Weights,
+    check_sides,
     fetch,
     resolve_stream,
 )
@@ -162,10 +163,7 @@ class ColocatedEngine(BucketEngine):
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
         T, R = trainer_world_size, rollout_world_size
-        if T < 1 or R < 1:
-            raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
-        if len(metadata) != T + R:
-            raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+        check_sides(T, R, metadata)
         for i in range(T):
             if "slots" not in metadata[i]:
                 raise PlanError(f"metadata[{i}] must come from trainer rank {i} (role='trainer')")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers
+from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
@@ -126,10 +126,7 @@ class NixlEngine(BucketEngine):
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
         T, R = trainer_world_size, rollout_world_size
-        if T < 1 or R < 1:
-            raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
-        if len(metadata) != T + R:
-            raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+        check_sides(T, R, metadata)
         if "port" not in metadata[0]:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
