@@ -11,13 +11,15 @@ args() { case $1 in
   cd30) echo "--scenario colocated-direct --preset 30b-a3b --layers 24 --trainer-dtype bf16 --iters 5" ;;
   c30)  echo "--scenario colocated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --iters 5" ;;
   d30)  echo "--scenario disaggregated --preset 30b-a3b --trainer-dtype bf16 --iters 3" ;;
+  h8)   echo "--scenario hybrid-fsdp-direct --preset 8b --iters 3" ;;
+  h30)  echo "--scenario hybrid-fsdp-direct --preset 30b-a3b --layers 12 --iters 3" ;;
   d100k) echo "--scenario disaggregated --tensors 100000 --tensor-bytes 1024 --trainer-dtype bf16 --iters 5" ;;
 esac; }
 for r in $ROWS; do
-  for side in old new old new; do
+  for side in ${SIDES:-old new old new}; do
     dir=$PWD; [ $side = old ] && dir=$PWD/_old
     line=$(cd "$dir" && PYTHONPATH=$dir timeout 150 python -m weightbus.cli bench $(args $r) 2>&1 \
-      | grep -E "^(colocated|disaggregated)" | tail -1)
+      | grep -E "^(colocated|disaggregated|hybrid)" | tail -1)
     echo "$r $side: $line"
   done
 done

@@ -274,7 +274,10 @@ def sharded_source(rank: int, port: int):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 7), nn.LayerNorm(7))  # 7 rows: uneven
+    # 7 rows: uneven; the rest even, gathered as one flat all-gather (the small ones) or
+    # one gather each (WEIGHTBUS_FLAT_GATHERS=0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 7), nn.LayerNorm(7),
+                          *[nn.Linear(8, 6) for _ in range(5)])
     from torch.distributed.device_mesh import init_device_mesh
     fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # CPU shards even where CUDA exists
     source = ModuleSource(model, dtype=torch.bfloat16)
@@ -285,15 +288,25 @@ def sharded_source(rank: int, port: int):
     targets = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in source.manifest}
     names = [m.name for m in source.manifest]
     into = list(source.iter_for(lambda i: frozenset({0, 1}), rank, into=lambda i: targets[names[i]]))
-    dist.destroy_process_group()
     assert len(into) == n
+    first = expected
+    for flat in ("1", "0", "1"):  # the weights change; the flat gather's views are reused
+        os.environ["WEIGHTBUS_FLAT_GATHERS"] = flat
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().mul_(-1.5).add_(0.25)
+        expected = {n: t.to(torch.bfloat16) for n, t in source}
+        into = list(source.iter_for(lambda i: frozenset({0, 1}), rank, into=lambda i: targets[names[i]]))
+        for name, t in into:
+            assert torch.equal(t, expected[name]), (flat, name)
+    dist.destroy_process_group()
     for i, (name, t) in enumerate(into):
         assert torch.equal(t, expected[name]), name
         even = expected[name].shape[0] % 2 == 0
         assert (t is targets[name]) == even, name  # uneven shards fall back, still exact
-        assert torch.equal(to_all[name], expected[name]), name
+        assert torch.equal(to_all[name], first[name]), name
         got = to_owner[name]
-        assert (got is None) == (i % 2 != rank) and (got is None or torch.equal(got, expected[name])), name
+        assert (got is None) == (i % 2 != rank) and (got is None or torch.equal(got, first[name])), name
     return True
 
 

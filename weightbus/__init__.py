@@ -10,7 +10,7 @@ from weightbus.engines import (
     CheckpointEngineWithCache,
     UpdateStats,
 )
-from weightbus.engines.base import WeightSource
+from weightbus.engines.base import WeightSource, WeightStream
 from weightbus.errors import (
     ConfigError,
     ManifestMismatch,
@@ -29,5 +29,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BucketPlan", "CheckpointEngine", "ConfigError", "CheckpointEngineRegistry", "CheckpointEngineWithCache",
     "Manifest", "ManifestMismatch", "ModuleSink", "ModuleSource", "PlanError", "SinkError",
-    "TensorMeta", "UpdateFailed", "UpdateStats", "WeightSource", "WeightSyncError", "WeightbusError",
+    "TensorMeta", "UpdateFailed", "UpdateStats", "WeightSource", "WeightStream", "WeightSyncError",
+    "WeightbusError",
 ]

@@ -460,12 +460,25 @@ class Assembler:
                 self._into[i] = d
                 self._into_flat[i] = d.detach().view(-1)
 
-    def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    def _program(self, bucket: torch.Tensor, b: Bucket) -> _UnpackProgram:
         key = (bucket.data_ptr(), b.index)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._programs[key] = _UnpackProgram(self.plan, bucket, b, self._into,
                                                         self._into_flat, self.device)
+        return prog
+
+    def unpack_batch(self, bucket: torch.Tensor, b: Bucket) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors as one list. Where nothing is reassembled the list is the
+        same object at every update (a consumer may key work it did once on it)."""
+        prog = self._program(bucket, b)
+        if prog.static:
+            prog.copies.run(prog.srcs)
+            return prog.items  # type: ignore[return-value]
+        return list(self.unpack(bucket, b))
+
+    def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+        prog = self._program(bucket, b)
         prog.copies.run(prog.srcs)
         if prog.static:
             yield from prog.items  # type: ignore[misc]

@@ -68,6 +68,7 @@ class ModuleSink:
         self.targets: dict[str, torch.Tensor] = (
             dict(module.state_dict(keep_vars=True)) if isinstance(module, nn.Module) else dict(module))
         self._nbytes = {k: t.nbytes for k, t in self.targets.items()}
+        self._in_place_batches: dict[int, tuple[list, list[str]]] = {}
 
     def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
         key = self.name_map(name) if self.name_map is not None else name
@@ -104,9 +105,39 @@ class ModuleSink:
             raise SinkError(f"loading into {type(self.module).__name__} failed: {report.describe()}{hint}")
         return report
 
+    def _load_batch(self, batch: list[tuple[str, torch.Tensor]], report: LoadReport, seen: set[str],
+                    in_place: list[str]) -> None:
+        """A bucket's worth. A list the engine hands again (same object: its tensors were
+        written in place, e.g. destinations or direct mode) costs a few C calls, not a
+        Python step per tensor."""
+        done = self._in_place_batches.get(id(batch))
+        if done is not None and done[0] is batch:
+            seen.update(done[1])
+            in_place.extend(done[1])
+            return
+        targets = self.targets if self.name_map is None else {}
+        names = []
+        for name, t in batch:
+            if targets.get(name) is t:
+                names.append(name)
+            else:
+                self._load_one(name, t, report, seen)
+        seen.update(names)
+        in_place.extend(names)
+        if len(names) == len(batch):  # keeps the list alive, so its id stays its own
+            if len(self._in_place_batches) >= 65536:  # fresh lists every update: start over
+                self._in_place_batches.clear()
+            self._in_place_batches[id(batch)] = (batch, names)
+
     async def load(self, stream: AsyncIterable[tuple[str, torch.Tensor]]) -> LoadReport:
-        """Consume an engine's ``receive_weights()`` to the end."""
+        """Consume an engine's ``receive_weights()`` to the end (a bucket at a time where
+        the stream offers it: :meth:`weightbus.WeightStream.batches`)."""
         report, seen, in_place = LoadReport(), set(), []
+        batches = getattr(stream, "batches", None)
+        if batches is not None:
+            async for batch in batches():
+                self._load_batch(batch, report, seen, in_place)
+            return self._close(report, seen, in_place)
         targets = self.targets if self.name_map is None else {}
         async with contextlib.aclosing(stream) as s:  # type: ignore[type-var]
             async for name, t in s:

@@ -81,6 +81,8 @@ class ModuleSource:
         self._plain: list[torch.Tensor] | None = None
         if not any(_is_dtensor(t) or t.requires_grad for _, t in self._items):
             self._plain = [t for _, t in self._items]
+        self._flat: _FlatGather | None = None
+        self._fit: dict[int, tuple[torch.Tensor, Any, int]] = {}
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         # 8-bit floats (fp8 weights) are already a wire format: casting them up would double
@@ -120,10 +122,9 @@ class ModuleSource:
         group_bytes = 0
         for i, (name, t) in enumerate(self._items):
             target = into(i) if into is not None and _is_dtensor(t) else None
-            if target is not None and _gatherable(t) and len(owners(i)) == t.device_mesh.size() \
-                    and _fits_into(t, target, self.wire_dtype(t)):
+            if target is not None and self._gathers_into(i, t, target, owners):
                 group.append((i, name, t, target))
-                group_bytes += target.numel() * target.element_size()
+                group_bytes += target.nbytes
                 if group_bytes >= _GROUP_BYTES:
                     yield from self._gather_group(group)
                     group, group_bytes = [], 0
@@ -145,13 +146,47 @@ class ModuleSource:
         if group:
             yield from self._gather_group(group)
 
+    def _gathers_into(self, i: int, t: Any, target: torch.Tensor,
+                      owners: Callable[[int], frozenset[int]]) -> bool:
+        """Whether tensor ``i`` can be all-gathered straight into ``target`` (worked out once
+        per target: a DTensor's attributes cost microseconds, and MoE models have
+        thousands of tensors)."""
+        known = self._fit.get(i)
+        if known is None or known[0] is not target or known[1] is not t:
+            ok = _gatherable(t) and _fits_into(t, target, self.wire_dtype(t))
+            known = self._fit[i] = (target, t, t.device_mesh.size() if ok else -1)
+        return len(owners(i)) == known[2]
+
     def _gather_group(self, group: list[tuple[int, str, Any, torch.Tensor]]
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        """All-gather a run of sharded tensors straight into their targets: first every
-        cast (fp32 -> wire), then the gathers back to back. Casting while NCCL runs makes
-        them fight for the SMs, which costs NCCL more than the overlap saves."""
+        """All-gather a run of sharded tensors straight into their targets. On one process
+        group the small ones go as one flat all-gather (:class:`_FlatGather`); the rest,
+        and every tensor with ``WEIGHTBUS_FLAT_GATHERS=0``, one gather each."""
+        meshes = {id(t.device_mesh): t.device_mesh for _, _, t, _ in group}
+        pgs = {id(pg): pg for pg in (m.get_group() for m in meshes.values())}
+        if len(pgs) == 1 and config.flag("WEIGHTBUS_FLAT_GATHERS", default=True):
+            pg = next(iter(pgs.values()))
+            small = [g for g in group if g[3].nbytes < _FLAT_MAX]
+            if len(small) > 1:
+                if self._flat is None:
+                    self._flat = _FlatGather()
+                self._flat.run(small, pg)
+                self._gather_each([g for g in group if g[3].nbytes >= _FLAT_MAX], pgs)
+                for _, name, _, target in group:
+                    yield name, target
+                return
+        self._gather_each(group, pgs)
+        for _, name, _, target in group:
+            yield name, target
+
+    @torch.no_grad()
+    def _gather_each(self, group: list[tuple[int, str, Any, torch.Tensor]], pgs: dict[int, Any]) -> None:
+        """One all-gather per tensor, straight into its target: first every cast (fp32 ->
+        wire), then the gathers back to back. Casting while NCCL runs makes them fight
+        for the SMs, which costs NCCL more than the overlap saves."""
+        if not group:
+            return
         shards = [t.to_local().detach().to(target.dtype).contiguous() for _, _, t, target in group]
-        pgs = {id(t.device_mesh.get_group()): t.device_mesh.get_group() for _, _, t, _ in group}
         pg = next(iter(pgs.values()))
         if config.flag("WEIGHTBUS_COALESCE_GATHERS") and len(pgs) == 1 and dist.get_backend(pg) == "nccl":
             # one fused NCCL launch for the whole group: measured 1.39x instead of 1.53x of
@@ -168,13 +203,83 @@ class ModuleSource:
                      for (_, _, t, target), shard in zip(group, shards, strict=True)]
             for w in works:
                 w.wait()
-        for _, name, _, target in group:
-            yield name, target
 
 
 _GROUP_BYTES = 256 << 20  # full-tensor bytes gathered per batch of casts
+_FLAT_MAX = 64 << 20  # a tensor this large is gathered on its own: its call's cost is noise
+_FLAT_ALIGN = 16
 
 
+class _FlatGather:
+    """A run of small dim-0-sharded tensors as ONE all-gather: every rank casts its shards
+    into one flat buffer (a multi-tensor copy), the buffers are gathered rank-major, and
+    each rank's rows are copied into the targets (another multi-tensor copy). One
+    collective instead of one per tensor: at MoE scale (thousands of expert tensors) the
+    per-call cost of NCCL, not the bytes, is what a gather per tensor pays. The buffers
+    are held across updates and sized by the largest run (bounded by the run size plus
+    ``_FLAT_MAX``); the views and copy lists of a run are made once."""
+
+    def __init__(self) -> None:
+        self._buf: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per run of tensors: (flat in, flat out, typed views of flat in, scatter, its sources)
+        self._runs: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any,
+                                      list[torch.Tensor]]] = {}
+
+    def _buffers(self, pg: Any, device: torch.device, seg: int, world: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        have = self._buf.get((id(pg), device))
+        if have is None or have[0].numel() < seg:
+            self._runs.clear()  # views of the old buffers
+            self._buf.pop((id(pg), device), None)
+            try:
+                have = (torch.empty(seg, dtype=torch.uint8, device=device),
+                        torch.empty(seg * world, dtype=torch.uint8, device=device))
+            except (RuntimeError, MemoryError) as e:
+                raise PlanError(f"cannot allocate {seg * (world + 1) / 2**20:.0f} MiB for the flat "
+                                f"all-gather on {device} ({str(e).splitlines()[0][:160]})") from None
+            self._buf[(id(pg), device)] = have
+        return have
+
+    @torch.no_grad()  # (to_local() is an autograd op otherwise: ~10 us a tensor)
+    def run(self, group: list[tuple[int, str, Any, torch.Tensor]], pg: Any) -> None:
+        from weightbus.buffers import CopyList, copy_group
+
+        world = dist.get_world_size(pg)
+        me = dist.get_rank(pg)
+        key = (id(pg), tuple((i, target.data_ptr()) for i, _, _, target in group))
+        run = self._runs.get(key)
+        if run is None:
+            offsets, seg = [], 0
+            for _, _, _, target in group:
+                offsets.append(seg)
+                seg += -(-(target.nbytes // world) // _FLAT_ALIGN) * _FLAT_ALIGN
+            device = group[0][3].device
+            flat_in, flat_out = self._buffers(pg, device, seg, world)
+            ins, dsts, srcs, own = [], [], [], []
+            for (_, _, _, target), off in zip(group, offsets, strict=True):
+                rows = target.shape[0] // world  # views shaped like the local shards
+                shard = (rows, *target.shape[1:])
+                nb = target.nbytes // world
+                ins.append(flat_in[off:off + nb].view(target.dtype).view(shard))
+                whole = target.detach()
+                for r in range(world):
+                    if r == me:  # this rank's own rows: straight from its buffer
+                        own.append(whole[r * rows:(r + 1) * rows])
+                        continue
+                    lo = r * seg + off
+                    srcs.append(flat_out[lo:lo + nb].view(target.dtype).view(shard))
+                    dsts.append(whole[r * rows:(r + 1) * rows])
+            if len(self._runs) > 1024:
+                self._runs.clear()
+            run = self._runs[key] = (flat_in[:seg], flat_out[:seg * world], ins, CopyList(dsts + own),
+                                     srcs + ins)
+        flat_in, flat_out, ins, scatter, srcs = run
+        copy_group(ins, [t.to_local() for _, _, t, _ in group])  # the cast
+        comm.all_gather_single(flat_out, flat_in, group=pg)
+        scatter.run(srcs)  # other ranks' rows from the gather, our own from our buffer
+
+
+@torch.no_grad()
 def _fits_into(t: Any, target: torch.Tensor, wire: torch.dtype) -> bool:
     """Whether an even dim-0 shard gather can write straight into ``target``."""
     world = t.device_mesh.size()

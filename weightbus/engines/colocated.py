@@ -43,6 +43,7 @@ from weightbus.engines.base import (
     UpdateStats,
     Validator,
     Weights,
+    WeightStream,
     check_sides,
     fetch,
     resolve_stream,
@@ -84,6 +85,7 @@ class ColocatedEngine(BucketEngine):
         self._want_direct = True
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
+        self._direct_items: tuple[Manifest, dict, list] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -264,6 +266,7 @@ class ColocatedEngine(BucketEngine):
         self._targets, self._direct = [], False
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
+        self._direct_items: tuple[Manifest, dict, list] | None = None
         self._works, self._ready, self._acked = [], {}, 0
 
     def finalize(self, destroy_group: bool = False) -> None:
@@ -331,19 +334,17 @@ class ColocatedEngine(BucketEngine):
                     raise WeightSyncError(f"{self.where()}: no in-process receiver took the weights "
                                           f"within {self.timeout:.0f}s") from None
 
-    async def receive_weights(self, *, expected: Manifest | None = None
-                              ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
         if not self._local and self._direct:
-            for item in self._receive_direct(expected):
-                yield item
-            return
+            return WeightStream(self._receive_direct(expected, batched=True))
         if not self._local:
-            async for item in super().receive_weights(expected=expected):
-                yield item
-            return
+            return super().receive_weights(expected=expected)
+        return WeightStream(self._receive_local_batches(expected))
+
+    async def _receive_local_batches(self, expected: Manifest | None) -> AsyncIterator[list[Any]]:
         with self._exclusive("receive_weights"):
             async for item in self._receive_local(expected):
-                yield item
+                yield [item]
 
     async def _receive_local(self, expected: Manifest | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         queue = self._local_queue()
@@ -471,13 +472,17 @@ class ColocatedEngine(BucketEngine):
         return self._direct_list
 
     def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None,
-                        on_complete: Callable[[], None] | None = None) -> Any:
+                        on_complete: Callable[[], None] | None = None, batched: bool = False) -> Any:
         self._check_ready("rollout")
+        return self._receive_direct_iter(expected, validate, on_complete, batched)
+
+    def _receive_direct_iter(self, expected: Manifest | None, validate: Validator | None,
+                             on_complete: Callable[[], None] | None, batched: bool) -> Any:
         with self._exclusive("receive_weights"):
-            yield from self._receive_direct_update(expected, validate, on_complete)
+            yield from self._receive_direct_update(expected, validate, on_complete, batched)
 
     def _receive_direct_update(self, expected: Manifest | None, validate: Validator | None,
-                               on_complete: Callable[[], None] | None) -> Any:
+                               on_complete: Callable[[], None] | None, batched: bool) -> Any:
         start, version, manifest, error = self._open_receive(expected, validate)
         self.version = None  # the trainer writes into our tensors from the header on
         if on_complete is not None and error is None:  # the bytes are in place already
@@ -489,9 +494,21 @@ class ColocatedEngine(BucketEngine):
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,
                                       time.perf_counter() - start, 0)
-        assert self._dest is not None
-        for m in manifest:
-            yield m.name, self._dest[m.name]
+        batch = self._direct_batch(manifest)
+        if batched:
+            yield batch
+        else:
+            yield from batch
+
+    def _direct_batch(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+        """Direct mode, rollout side: every tensor, written in place, as one list (made once
+        per manifest and destinations, so a sink's work on it is done once too)."""
+        dest = self._dest
+        assert dest is not None
+        made = self._direct_items
+        if made is None or made[0] is not manifest or made[1] is not dest:
+            made = self._direct_items = (manifest, dest, [(m.name, dest[m.name]) for m in manifest])
+        return made[2]
 
     # --- transport hooks (across processes) ---------------------------------------------
     def _packs(self, b: Bucket) -> bool:
