@@ -38,14 +38,14 @@ def test_lifecycle_bitwise_with_failures_between(port, backend, T, R):
                 assert "error" in log[k], log[k]
                 assert f"trainer rank {T - 1}" in log[k]["error"] and "proj.bias" in log[k]["error"]
                 assert "boom" in log[k]["error"]
-        elif kind == "consumer_stops":
+        elif kind in ("consumer_stops", "batch_stops"):
             for log in trainers:
                 assert "stopped reading" in log[k]["error"] and "rollout rank" in log[k]["error"]
     # a failed update never advances a rollout's version; the rank that stopped reading saw
     # no error of its own (it chose to stop), but it took 3 tensors of version 5 in: its
     # engine says it holds no whole version (None), not version 3
-    assert [e.get("version") for e in rollouts[-1]] == [1, 2, 3, None, None, 6, 7]
-    assert rollouts[0][4]["version"] is None
+    assert [e.get("version") for e in rollouts[-1]] == [1, 2, 3, None, None, 6, 7, None, 9]
+    assert rollouts[0][4]["version"] is None and rollouts[0][7]["version"] is None
 
 
 def test_bad_inputs_fail_everywhere_and_group_survives(port):

@@ -60,10 +60,17 @@ def trainer_stream(model: Mixed) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _receive(engine, expected: Manifest | None = None, stop_after: int | None = None):
+def _receive(engine, expected: Manifest | None = None, stop_after: int | None = None,
+             batches: bool = False):
     async def go():
         got = {}
         stream = engine.receive_weights(expected=expected)
+        if batches:  # a bucket at a time (what ModuleSink reads); stop_after: batches
+            async for batch in stream.batches():
+                got.update((name, digest(t)) for name, t in batch)
+                if stop_after is not None:
+                    break  # closes the stream: the update must fail on every rank
+            return got
         async for name, t in stream:
             got[name] = digest(t)
             if stop_after is not None and len(got) >= stop_after:
@@ -118,7 +125,8 @@ def lifecycle(rank: int, backend: str, T: int, R: int, port: int, bucket: int):
     model = Mixed()
     log = []
     plan = [("good", None)] * 3 + [("trainer_raises", None), ("consumer_stops", None),
-                                   ("good", torch.bfloat16), ("good", torch.bfloat16)]
+                                   ("good", torch.bfloat16), ("good", torch.bfloat16),
+                                   ("batch_stops", torch.bfloat16), ("good", None)]
     for k, (kind, dtype) in enumerate(plan, start=1):
         model.step(k)
         source = ModuleSource(trainer_stream(model), dtype=dtype)
@@ -129,8 +137,10 @@ def lifecycle(rank: int, backend: str, T: int, R: int, port: int, bucket: int):
             if "ok" in out:
                 out["expected"] = {n: digest(t.to(source.wire_dtype(t))) for n, t in source}
         else:
-            stop = 3 if kind == "consumer_stops" and rank == T else None
-            out = _outcome(lambda s=stop: _receive(engine, stop_after=s))
+            stop = 3 if kind in ("consumer_stops", "batch_stops") and rank == T else None
+            # even updates are read a bucket at a time, odd ones a tensor at a time
+            out = _outcome(lambda s=stop, b=(k % 2 == 0 or kind == "batch_stops"):
+                           _receive(engine, stop_after=s, batches=b))
             if "ok" in out:
                 out["version"] = engine.version
         out["kind"] = kind

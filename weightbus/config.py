@@ -6,6 +6,9 @@ Environment variables:
 
 - ``WEIGHTBUS_TIMEOUT``: default deadline, seconds, of every blocking wait (a positive
   number; default 120).
+- ``WEIGHTBUS_FLAT_GATHERS``: ``1`` (default) or ``0``: small FSDP2 shards gathered into
+  rollout tensors as one flat all-gather per run, or one gather per tensor
+  (see :mod:`weightbus.sources`).
 - ``WEIGHTBUS_COALESCE_GATHERS``: ``0`` or ``1`` (see :mod:`weightbus.sources`).
 - ``WEIGHTBUS_VLLM_SELF_CHECK``: ``N`` or ``N:L`` (see the vLLM integration).
 """
