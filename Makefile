@@ -19,6 +19,12 @@ $(BIN)/.installed: pyproject.toml
 	# machine) and, without its dependencies, the `nixl` package that picks the build
 	$(BIN)/pip install -q nixl-cu12==1.5.1
 	$(BIN)/pip install -q --no-deps nixl==1.5.1
+	# the mooncake backend's tests: the transfer engine's CPU build, and the verbs library
+	# it links (installed where we may; its tests skip, saying why, where it is missing)
+	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null && \
+	  { apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; }; } || echo "libibverbs1 missing: mooncake tests will skip"
 	touch $@
 
 demo: $(BIN)/.installed

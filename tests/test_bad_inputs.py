@@ -8,6 +8,7 @@ Every case is a row of one table so the suite counts them: ``len(CASES)``.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import math
 import os
 import subprocess
@@ -304,8 +305,41 @@ def test_backend_without_its_extra_says_which_to_install(monkeypatch):
     with pytest.raises(WeightbusError, match=r"backend 'nixl' needs NIXL: pip install 'weightbus\[nixl\]'"):
         CheckpointEngineRegistry.new("nixl")
     assert "nixl" in CheckpointEngineRegistry.names()  # registered all the same
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(WeightbusError, match=r"backend 'mooncake' needs the Mooncake transfer engine: "
+                                             r"pip install 'weightbus\[mooncake\]'"):
+        CheckpointEngineRegistry.new("mooncake")
+    assert "mooncake" in CheckpointEngineRegistry.names()
 
 
 def test_no_module_with_no_weights():
     with pytest.raises(WeightbusError, match="empty weight stream"):
         BucketPlan(ModuleSource(nn.Module()).manifest, 1 << 20)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
+@pytest.mark.parametrize("kwargs,match", [
+    ({"replica_size": 0}, "replica_size"),
+    ({"replica_size": "2"}, "replica_size"),
+    ({"protocol": "udp"}, "protocol must be 'tcp' or 'rdma'"),
+    ({"device": "cuda:0"}, "moves host memory"),
+])
+def test_mooncake_options_checked_where_given(kwargs, match):
+    with pytest.raises(WeightbusError, match=match):
+        CheckpointEngineRegistry.new("mooncake", role="rollout", **kwargs)
+
+
+def test_mooncake_replicas_must_split_the_rollout_ranks():
+    from weightbus.engines.mooncake import MooncakeEngine
+
+    def meta(k=1, trainer=False):
+        m = {"addr": "127.0.0.1", "device": "cpu", "bucket_size": 1 << 20, "num_buffers": 2, "alignment": 256,
+             "session": "127.0.0.1:1", "slots": [0, 0], "replica_size": k}
+        return m | ({"port": 1, "token": "t"} if trainer else {})
+    with pytest.raises(WeightbusError, match="3 rollout ranks do not split into replicas of 2"):
+        MooncakeEngine.build_topology(1, 3, [meta(trainer=True), meta(2), meta(2), meta(2)])
+    with pytest.raises(WeightbusError, match=r"disagree on replica_size: \[1, 2\]"):
+        MooncakeEngine.build_topology(1, 2, [meta(trainer=True), meta(2), meta(1)])
+    trainer, rollout = MooncakeEngine.build_topology(1, 4, [meta(trainer=True)] + [meta(2)] * 4)
+    assert [bool(s) for s in rollout["sources"]] == [True, False, True, False]  # leaders read

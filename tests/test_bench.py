@@ -39,8 +39,9 @@ def test_bench_backends_and_receivers_cpu():
     """The disaggregated scenario over a chosen engine and several receivers: each row next
     to its own engine's raw transfer, every receiver verified."""
     nixl = pytest.importorskip("nixl")
-    assert nixl
-    for backend in ("gloo", "nixl"):
+    mooncake = pytest.importorskip("mooncake.engine")
+    assert nixl and mooncake
+    for backend in ("gloo", "nixl", "mooncake"):
         row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=1, gpu=False, timeout=120,
                                     backend=backend, receivers=2))
         assert row["verified"] and row["scenario"] == f"disagg {backend} 1->2"

@@ -15,9 +15,16 @@ try:  # the nixl backend's cases run where NIXL is installed (CI installs it)
     NIXL = [pytest.param("nixl", 2, 3, id="nixl-2-3"), pytest.param("nixl", 1, 3, id="nixl-1-3")]
 except ImportError:
     NIXL = []
+try:  # the mooncake backend's too ("mooncake:k": replicas of k rollout ranks)
+    from mooncake.engine import TransferEngine  # noqa: F401
+    MOONCAKE = [pytest.param("mooncake", 2, 3, id="mooncake-2-3"),
+                pytest.param("mooncake:2", 1, 4, id="mooncake-1-4-replicas-of-2")]
+except ImportError:
+    MOONCAKE = []
 
 
-@pytest.mark.parametrize("backend,T,R", [("gloo", 2, 3), ("colocated", 2, 2), ("colocated", 1, 2), *NIXL])
+@pytest.mark.parametrize("backend,T,R", [("gloo", 2, 3), ("colocated", 2, 2), ("colocated", 1, 2), *NIXL,
+                                         *MOONCAKE])
 def test_lifecycle_bitwise_with_failures_between(port, backend, T, R):
     logs = spawn(workers.lifecycle, T + R, (backend, T, R, port, 1 << 16), timeout=240)
     trainers, rollouts = logs[:T], logs[T:]
@@ -73,7 +80,8 @@ def test_bad_inputs_fail_everywhere_and_group_survives(port):
 
 
 @pytest.mark.parametrize("backend,mode", [("gloo", "die"), ("colocated", "die"), ("gloo", "hang"),
-                                          *([("nixl", "die"), ("nixl", "hang")] if NIXL else [])])
+                                          *([("nixl", "die"), ("nixl", "hang")] if NIXL else []),
+                                          *([("mooncake", "die"), ("mooncake", "hang")] if MOONCAKE else [])])
 def test_peer_lost_mid_update_fails_fast_then_recovers(port, backend, mode):
     out = spawn(workers.dies_mid_update, 3, (backend, port, mode), timeout=120,
                 allow_fail=frozenset({2}))

@@ -45,6 +45,11 @@ try:
     HAVE_NIXL = True
 except ImportError:
     HAVE_NIXL = False
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+    HAVE_MOONCAKE = True
+except ImportError:
+    HAVE_MOONCAKE = False
 
 # (backend, who is lost, how): the trainer or a rollout, SIGKILLed or SIGSTOPped
 # (a stopped peer is found by the same deadline on every backend: once, on colocated, where
@@ -52,6 +57,7 @@ except ImportError:
 LOST = [(b, w, h) for b in ("colocated", "gloo") for w in ("trainer", "rollout")
         for h in (("kill", "stop") if b == "colocated" else ("kill",))]
 LOST += [("nixl", w, "kill") for w in ("trainer", "rollout")] if HAVE_NIXL else []
+LOST += [("mooncake", w, "kill") for w in ("trainer", "rollout")] if HAVE_MOONCAKE else []
 
 
 @pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])

@@ -54,9 +54,14 @@ try:
     NIXL = ["nixl"]
 except ImportError:
     NIXL = []
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+    MOONCAKE = ["mooncake"]
+except ImportError:
+    MOONCAKE = []
 
 
-@pytest.mark.parametrize("backend", ["gloo", "colocated", *NIXL])
+@pytest.mark.parametrize("backend", ["gloo", "colocated", *NIXL, *MOONCAKE])
 def test_soak(backend):
     trainer = LocalWorkerGroup(Trainer, 1, name="trainer")
     stay = LocalWorkerGroup(Rollout, 2, name="stay")  # a replica of 2 ranks, there throughout

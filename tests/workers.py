@@ -60,6 +60,14 @@ def trainer_stream(model: Mixed) -> dict[str, torch.Tensor]:
     return sd
 
 
+def new_engine(backend: str, rollout: bool, **kwargs):
+    """``backend``, or ``mooncake:k`` for mooncake with replicas of k rollout ranks."""
+    name, _, k = backend.partition(":")
+    if k and rollout:
+        kwargs["replica_size"] = int(k)
+    return CheckpointEngineRegistry.new(name, role="rollout" if rollout else "trainer", **kwargs)
+
+
 def _receive(engine, expected: Manifest | None = None, stop_after: int | None = None,
              batches: bool = False):
     async def go():
@@ -119,8 +127,7 @@ def lifecycle(rank: int, backend: str, T: int, R: int, port: int, bucket: int):
     torch.set_num_threads(1)
     is_trainer = rank < T
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
-    engine = CheckpointEngineRegistry.new(backend, bucket_size=bucket, timeout=30,
-                                          role="trainer" if is_trainer else "rollout")
+    engine = new_engine(backend, not is_trainer, bucket_size=bucket, timeout=30)
     connect(engine, rdv, T, R)
     model = Mixed()
     log = []

@@ -44,7 +44,7 @@ from weightbus.sources import ModuleSource
 
 SCENARIOS = ("colocated", "colocated-direct", "disaggregated", "hybrid-fsdp", "hybrid-fsdp-direct")
 #: engines the disaggregated scenario can run (the floor is each one's raw transfer)
-DISAGG_BACKENDS = ("gloo", "nccl", "nixl")
+DISAGG_BACKENDS = ("gloo", "nccl", "nixl", "mooncake")
 WIRE = torch.bfloat16
 TRAINER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: elements per bulk operation of the floors ("one cast or copy per large chunk")
@@ -275,6 +275,29 @@ def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
         wait(h)
 
 
+def raw_mooncake(engine: CheckpointEngine, plan: Any) -> None:
+    """The floor of the mooncake engine, on a receiver: the same bucket bytes read from the
+    trainer's slots, two in flight, with no control words, relay, unpacking or checks
+    (every receiver reads at once, as the engine's replica leaders do)."""
+    te, slots = engine._te, engine._slots  # type: ignore[attr-defined]
+    session, addrs = engine._sources[0]  # type: ignore[attr-defined]
+    pending: list[int] = []
+
+    def wait(batch: int) -> None:
+        while (state := te.transfer_check_status(batch)) == 0:
+            pass
+        if state < 0:
+            raise RuntimeError(f"raw mooncake read failed with status {state}")
+
+    for b in plan.buckets:
+        if len(pending) >= 2:
+            wait(pending.pop(0))
+        pending.append(te.batch_transfer_async_read(session, [slots[b.index % len(slots)].data_ptr()],
+                                                    [addrs[b.index % len(addrs)]], [b.wire_bytes]))
+    for batch in pending:
+        wait(batch)
+
+
 def _update_fn(engine: CheckpointEngine, source: ModuleSource | None,
                weights: dict[str, torch.Tensor] | None) -> Any:
     """One weightbus update: trainers (``source``) send, rollouts load into ``weights``."""
@@ -307,6 +330,9 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     plan = engine._plan(source.manifest if trainer else _manifest_of(cfg))  # type: ignore[attr-defined]
     if cfg.engine == "nixl":
         floor = (lambda: raw_nixl(engine, plan)) if trainer else (lambda: None)  # one-sided
+        group = None
+    elif cfg.engine == "mooncake":
+        floor = (lambda: None) if trainer else (lambda: raw_mooncake(engine, plan))  # the readers
         group = None
     else:
         group = engine._data[0]  # type: ignore[attr-defined]
