@@ -203,8 +203,11 @@ class CheckpointEngineManager:
         self._formed_for = None
         groups = [self.trainer, *self.replicas]
         fresh = [g for g in groups if id(g) not in self._setup]
-        self._wait([(g, g.submit("wb_setup", [(self.backend, "trainer" if g is self.trainer else "rollout",
-                                                self.engine_kwargs)] * g.size)) for g in fresh],
+        def setup(g: Any) -> tuple[Any, ...]:  # a replica's ranks share its name
+            trainer = g is self.trainer
+            return (self.backend, "trainer" if trainer else "rollout", self.engine_kwargs,
+                    None if trainer else f"replica-{id(g):x}")
+        self._wait([(g, g.submit("wb_setup", [setup(g)] * g.size)) for g in fresh],
                    f"setting up engines for version {version}", self.timeout)
         self._setup.update(id(g) for g in fresh)
         if self._store is None:

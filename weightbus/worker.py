@@ -26,10 +26,12 @@ class EngineHost:
     weights_version: int | None = None
     _wb_engine: CheckpointEngine | None = None
 
-    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
+    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any],
+                 replica: str | None = None) -> None:
         if self._wb_engine is not None:
             self._wb_engine.finalize(destroy_group=True)
         self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
+        self._wb_engine.replica = replica
 
     def wb_connect(self, addr: str, port: int, prefix: str, rank: int, trainer_world_size: int,
                    rollout_world_size: int) -> None:

@@ -169,6 +169,9 @@ class CheckpointEngine(ABC):
 
     #: registry name this instance was made under (``gloo``, ``nccl``, ``colocated``...)
     backend: str = ""
+    #: rollout side: the replica this rank serves in (any name its ranks share; the
+    #: manager sets it). Backends that relay inside a replica (``mooncake``) group by it.
+    replica: str | None = None
 
     def __init__(self, bucket_size: int | None = None, *, device: str | torch.device | None = None,
                  num_buffers: int = 2, timeout: float | None = None, role: Role | None = None):

@@ -92,6 +92,7 @@ class MooncakeEngine(BucketEngine):
         self.T = self.R = 1
         self._sources: dict[int, tuple[str, list[int]]] = {}  # trainer -> (session, slot addrs)
         self._leaders: list[int] = []  # global ranks of the replica leaders
+        self._is_leader = False
         self._replica: Any = None  # the replica's own group (k > 1)
         self._replica_rank = 0
         self._version = 0
@@ -104,7 +105,7 @@ class MooncakeEngine(BucketEngine):
         meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
                                 **self.buffer_metadata(), "session": self._session,
                                 "slots": [s.data_ptr() for s in self._slots],
-                                "replica_size": self.replica_size}
+                                "replica_size": self.replica_size, "replica": self.replica}
         if self.role != "rollout":
             if self._store_server is None:
                 self._store_server = comm.serve_store(self.timeout)
@@ -121,7 +122,7 @@ class MooncakeEngine(BucketEngine):
             rc = te.initialize(addr, "P2PHANDSHAKE", self.protocol, self.device_name)
             if rc != 0:
                 raise WeightSyncError(f"{self.where()}: the Mooncake transfer engine did not start "
-                                      f"(initialize({addr!r}, P2PHANDSHAKE, {self.protocol!r}) returned {rc})")
+                                      f"(initialize({addr!r}, P2PHANDSHAKE, {self.protocol!r}): {rc})")
             self._te, self._session = te, f"{addr}:{te.get_rpc_port()}"
         if self._slots and self._slots[0].numel() >= self.bucket_size:
             return
@@ -149,26 +150,29 @@ class MooncakeEngine(BucketEngine):
         check_sides(T, R, metadata)
         if "port" not in metadata[0]:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
-        sizes = {m.get("replica_size", 1) for m in metadata[T:]}
-        if len(sizes) != 1:
-            raise PlanError(f"the rollout ranks disagree on replica_size: {sorted(sizes)}")
-        k = sizes.pop()
-        if R % k:
-            raise PlanError(f"{R} rollout ranks do not split into replicas of {k}")
+        replicas = _replicas([m.get("replica") for m in metadata[T:]],
+                             [m.get("replica_size", 1) for m in metadata[T:]])
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
-                  "bucket_size": agree_buffers(T, metadata), "replica_size": k}
+                  "bucket_size": agree_buffers(T, metadata),
+                  "leaders": [T + first for first, _ in replicas]}
         sources = {t: (metadata[t]["session"], list(metadata[t]["slots"])) for t in range(T)}
-        trainer = {key: [v] * T for key, v in common.items()} | {"rank": list(range(T)), "sources": [{}] * T}
+        mine = [(j, r - first, size) for j, (first, size) in enumerate(replicas)
+                for r in range(first, first + size)]
+        trainer = {key: [v] * T for key, v in common.items()} | {"rank": list(range(T)), "sources": [{}] * T,
+                                                                 "replica": [None] * T}
         rollout = {key: [v] * R for key, v in common.items()} | {
-            "rank": list(range(T, T + R)),
-            "sources": [sources if r % k == 0 else {} for r in range(R)]}  # leaders read
+            "rank": list(range(T, T + R)), "replica": mine,
+            "sources": [sources if me[1] == 0 else {} for me in mine]}  # the leaders read
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
-                           master_addr: str, master_port: int, token: str, replica_size: int = 1,
-                           sources: dict[int, Any] | None = None, bucket_size: int | None = None) -> None:
-        T, R, k = trainer_world_size, rollout_world_size, replica_size
+                           master_addr: str, master_port: int, token: str, leaders: list[int],
+                           replica: tuple[int, int, int] | None = None, sources: dict[int, Any] | None = None,
+                           bucket_size: int | None = None) -> None:
+        """``leaders``: global ranks of the replica leaders; ``replica``: (index, rank in
+        it, size) of this rollout rank's replica; ``sources``: a leader's trainer slots."""
+        T, R = trainer_world_size, rollout_world_size
         if bucket_size is not None:
             if self._slots and self._slots[0].numel() < bucket_size:
                 raise PlanError(f"{self.where()}: the group agreed on {bucket_size}-byte buckets, but "
@@ -179,10 +183,10 @@ class MooncakeEngine(BucketEngine):
         self.role = "trainer" if rank < T else "rollout"
         self.trainer_rank = rank if rank < T else -1
         self.n_senders = T
-        self.replica_size = k
         self._drop_group()
         self._sources = {int(t): (s, list(a)) for t, (s, a) in (sources or {}).items()}
-        self._leaders = [T + j for j in range(0, R, k)]
+        self._leaders = list(leaders)
+        self._is_leader = replica is not None and replica[1] == 0
         if token != self._formed_token:
             self._formed_token, self._formed = token, 0
         self._formed += 1
@@ -191,9 +195,8 @@ class MooncakeEngine(BucketEngine):
         self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
                                    None, self.where())
         self._ctl_rank = rank
-        if rank >= T and k > 1:
-            j = (rank - T) // k
-            self._replica_rank = (rank - T) % k
+        if replica is not None and replica[2] > 1:
+            j, self._replica_rank, k = replica
             self._replica = comm.new_group("gloo", self._store, f"{prefix}/replica{j}", self._replica_rank,
                                            k, self.timeout, None, self.where())
         self._broken = None
@@ -297,17 +300,13 @@ class MooncakeEngine(BucketEngine):
                                                       f"bucket {b.index}")
         self._drain_sent()
 
-    @property
-    def _leader(self) -> bool:
-        return self.rank >= self.T and (self.rank - self.T) % self.replica_size == 0
-
     def _post_recv(self, b: Bucket) -> None:
-        if self._leader:
+        if self._is_leader:
             self._expect(b.owner, _READY, b.index)
 
     def _wait_recv(self, b: Bucket) -> torch.Tensor:
         slot = self._slots[b.index % self.num_buffers]
-        if self._leader:
+        if self._is_leader:
             owner = b.owner
             self._await_word(owner, b.index, f"receive bucket {b.index}: waiting for {self._who(owner)}")
             self._read(owner, b, slot)
@@ -344,3 +343,25 @@ class MooncakeEngine(BucketEngine):
 
     def _flush_recv(self, plan: BucketPlan) -> None:
         self._drain_sent()
+
+
+def _replicas(names: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
+    """(first rollout rank, size) of every replica. Rollout ranks that name their replica
+    (``engine.replica``, which the manager sets) are grouped by name (a replica's ranks are
+    consecutive); otherwise every ``replica_size`` consecutive ranks form one."""
+    if names and all(n is not None for n in names):
+        out: list[tuple[int, int]] = []
+        for r, n in enumerate(names):
+            if r and n == names[r - 1]:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            elif n in names[:r]:
+                raise PlanError(f"the ranks of replica {n!r} are not consecutive among the rollout ranks")
+            else:
+                out.append((r, 1))
+        return out
+    if len(set(sizes)) != 1:
+        raise PlanError(f"the rollout ranks disagree on replica_size: {sorted(set(sizes))}")
+    k, R = sizes[0], len(sizes)
+    if R % k:
+        raise PlanError(f"{R} rollout ranks do not split into replicas of {k}")
+    return [(first, k) for first in range(0, R, k)]

@@ -35,11 +35,12 @@ class WeightbusWorkerExtension(EngineHost):
         k = dict(kwargs[rank]) if kwargs else {}
         return getattr(self, method)(*a, **k)
 
-    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any]) -> None:
+    def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any],
+                 replica: str | None = None) -> None:
         kwargs = dict(engine_kwargs)
         if backend in ("nccl", "colocated") and "device" not in kwargs:
             kwargs["device"] = str(next(self.model_runner.model.parameters()).device)  # type: ignore[attr-defined]
-        super().wb_setup(backend, "rollout", kwargs)
+        super().wb_setup(backend, "rollout", kwargs, replica)
 
     def wb_receive(self, version: int) -> dict[str, Any]:
         """Stream one update straight into vLLM's ``load_weights`` (synchronous:

@@ -384,7 +384,7 @@ class VLLMEngineReplica(_ReplicaBase):
                kwargs: Sequence[dict] | None = None) -> Pending:
         r = self.rollout
         if method == "wb_setup":
-            backend, _, engine_kwargs = args[0]  # type: ignore[index]
+            backend, _, engine_kwargs = args[0][:3]  # type: ignore[index]
             self._setup = (backend, dict(engine_kwargs))
             return self._submit(method, lambda: None)
         if method == "wb_connect":
