@@ -169,7 +169,8 @@ def test_join_from_peer_without_trainer_or_pause_local():
         call(trainer, "train_step", 3, timeout=10)
         mgr.update_weights(version=3)
         want = call(trainer, "weights_digest", timeout=10)[0]
-        assert call(joiner, "weights_digest", timeout=10) == [want] * 2 == call(r0, "weights_digest", timeout=10)
+        assert call(joiner, "weights_digest", timeout=10) == [want] * 2
+        assert call(r0, "weights_digest", timeout=10) == [want] * 2
         assert mgr.versions() == {"r0": 3, "joiner": 3}
     finally:
         for g in groups:

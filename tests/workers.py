@@ -425,3 +425,45 @@ def group_misuse(rank: int, port: int):
     good("after")
     engine.finalize(destroy_group=True)
     return log
+
+
+def save_sharded(model: nn.Module, path: str) -> None:
+    """The model as transformers writes a sharded checkpoint: shards plus an index."""
+    import json
+
+    from safetensors.torch import save_file
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    names = list(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    os.makedirs(path, exist_ok=True)
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, os.path.join(path, file), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: file for file, ks in shards.items() for k in ks}}, f)
+
+
+def safetensors_stream(rank: int, port: int, path: str):
+    """1 trainer streams a sharded checkpoint (rewritten between updates, weights changed
+    by real steps) to 2 rollouts; each rollout's model equals the checkpoint bitwise."""
+    from weightbus.integrations.safetensors import SafetensorsSource
+
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, 3, timeout=60)
+    engine = new_engine("gloo", rank > 0, bucket_size=1 << 16, timeout=30)
+    connect(engine, rdv, 1, 2)
+    model = Mixed()
+    out = []
+    for k in (1, 2, 3):
+        if rank == 0:
+            model.step(k)
+            save_sharded(model, path)
+        rdv.all_gather(None)  # the checkpoint is on disk
+        if rank == 0:
+            _send(engine, SafetensorsSource(path), version=k)
+            out.append({n: digest(t) for n, t in model.state_dict().items()})
+        else:
+            asyncio.run(ModuleSink(model).load(engine.receive_weights()))
+            out.append({n: digest(t) for n, t in model.state_dict().items()})
+        rdv.all_gather(None)  # read before the next rewrite
+    engine.finalize(destroy_group=True)
+    return out
