@@ -138,7 +138,44 @@ def fully_async(steps: int = 3, ray: bool = False) -> dict[str, Any]:
             g.shutdown()
 
 
-MODES = {"hybrid": hybrid, "one-step-off": one_step_off, "fully-async": fully_async}
+def fully_async_cache(steps: int = 3, ray: bool = False) -> dict[str, Any]:
+    """Fully-async without waiting: the trainer publishes each version into a host
+    shared-memory cache (``shm``) and goes on training; each replica takes the newest
+    version when it is ready: replica 0 after every step, replica 1 (slower) every other
+    step, so it lags and skips versions. Every sample is tagged with its version."""
+    trainer, reps = make_groups(1, 2, ray)
+    mgr = CheckpointEngineManager("shm", trainer, reps, timeout=T, cache_name=f"modes{os.getpid()}")
+    try:
+        mgr.publish(version=0)
+        mgr.pull()
+        digests = {0: check_replicas(trainer, reps)}
+        for r in reps:
+            call(r, "start_loop", timeout=T)
+        blocked, lag = [], []
+        for step in range(1, steps + 1):
+            call(trainer, "train_step", step, 0.3, timeout=T)
+            t0 = time.perf_counter()
+            mgr.publish(version=step)  # returns without any replica
+            blocked.append(time.perf_counter() - t0)
+            digests[step] = call(trainer, "weights_digest", timeout=T)[0]
+            mgr.pull([reps[0]] if step % 2 else reps)  # the slow replica pulls every other step
+            lag.append(mgr.versions())
+        time.sleep(0.3)
+        samples = [s for r in reps for s in call(r, "stop_loop", timeout=T)[0]]
+        for s in samples:  # no sample mixes versions, and each names the weights it used
+            assert s["digest"] == s["digest_end"] == digests[s["version"]], s["version"]
+        seen = sorted({s["version"] for s in samples})
+        print(f"fully-async-cache: {len(samples)} samples from versions {seen}, trainer blocked "
+              f"{[round(b * 1e3) for b in blocked]} ms per publish, versions held per step {lag}", flush=True)
+        return {"samples": len(samples), "versions": seen, "blocked_s": blocked, "lag": lag}
+    finally:
+        mgr.shutdown()
+        for g in [trainer, *reps]:
+            g.shutdown()
+
+
+MODES = {"hybrid": hybrid, "one-step-off": one_step_off, "fully-async": fully_async,
+         "fully-async-cache": fully_async_cache}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

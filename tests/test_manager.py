@@ -36,6 +36,16 @@ def test_fully_async_mode_local():
     assert out["samples"] > 0 and out["versions"][-1] >= 1
 
 
+def test_fully_async_on_the_cache_local():
+    """The trainer publishes and returns; the slow replica lags a version after odd steps
+    and catches up after even ones; samples name the version that made them."""
+    out = modes.fully_async_cache(steps=3)
+    assert out["samples"] > 0 and out["versions"][-1] >= 2
+    assert out["lag"] == [{"replica0": 1, "replica1": 0}, {"replica0": 2, "replica1": 2},
+                          {"replica0": 3, "replica1": 2}]
+    assert max(out["blocked_s"]) < 2.0
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")

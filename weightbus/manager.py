@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightbus import comm, config
-from weightbus.engines.base import CheckpointEngineRegistry
+from weightbus.engines.base import CheckpointEngineRegistry, CheckpointEngineWithCache
 from weightbus.errors import UpdateFailed, WeightbusError, WeightSyncError
 from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
 
@@ -91,6 +91,38 @@ class CheckpointEngineManager:
                                      f"own name= so errors, versions() and remove_replicas can tell "
                                      f"them apart")
             self.replicas.append(r)
+
+    # --- fully-async on a cache engine (``shm``, ``disk``) -----------------------------------
+    def publish(self, version: int | None = None) -> dict[str, Any]:
+        """The trainer publishes a version into the cache and returns: no replica is paused
+        or waited for (each takes it with :meth:`pull`, when it is ready)."""
+        self._need_cache("publish")
+        version = self.version + 1 if version is None else config.version(version)
+        if self._formed_for != tuple(id(r) for r in self.replicas):
+            self._form(version)
+        got = self._wait([(self.trainer, self.trainer.submit("wb_send", [(version,)] * self.trainer.size))],
+                         f"publish of version {version}", self.timeout)
+        self.version = version
+        return got[0][0]
+
+    def pull(self, replicas: Iterable[WorkerGroup | str] | None = None) -> dict[str, int | None]:
+        """The given replicas (default: all) take the newest published version now, each
+        paused only while it loads (a replica already on it does nothing); the others
+        go on generating. Returns the version each of them holds."""
+        self._need_cache("pull")
+        chosen = self.replicas if replicas is None else [
+            next(x for x in self.replicas if x is r or x.name == r) for r in replicas]
+        if self._formed_for != tuple(id(r) for r in self.replicas):
+            self._form(self.version)
+        pending = [(r, r.submit("wb_pull", [(self.pause_mode,)] * r.size)) for r in chosen]
+        got = self._wait(pending, "pull from the cache", self.timeout)
+        return {r.name: (None if None in v or len(set(v)) != 1 else v[0])
+                for r, v in zip(chosen, got, strict=True)}
+
+    def _need_cache(self, what: str) -> None:
+        if not issubclass(self.engine_cls, CheckpointEngineWithCache):
+            raise WeightbusError(f"{what}() needs a cache backend ('shm' or 'disk'), not {self.backend!r}; "
+                                 f"update_weights() is the synchronized update")
 
     def join_from_peer(self, replica: WorkerGroup, peer: WorkerGroup | str | None = None) -> dict[str, Any]:
         """Add ``replica`` holding the current version, copied from a member that holds it

@@ -105,6 +105,27 @@ class WeightbusWorker(EngineHost):
         return {"seconds": time.perf_counter() - start, "bytes": report.bytes, "tensors": report.loaded}
 
 
+    async def wb_pull(self, mode: str = "abort") -> int | None:
+        """Cache engines (fully-async): take the newest published version if it is newer
+        than what this worker holds (generation paused only while it loads); returns the
+        version held."""
+        engine = self._wb_engine
+        assert engine is not None, "wb_setup first"
+        if not hasattr(engine, "get_weights"):
+            raise WeightbusError(f"backend {engine.backend!r} keeps no cache to pull from: use 'shm' "
+                                 f"or 'disk'")
+        stream = engine.get_weights(newer_than=self.weights_version)
+        if stream.version is None:  # type: ignore[attr-defined]
+            return self.weights_version
+        self.pause_generation(mode)
+        try:
+            self.weights_version = None
+            await self.weights_sink().load(stream)
+            self.weights_version = stream.version  # type: ignore[attr-defined]
+        finally:
+            self.resume_generation()
+        return self.weights_version
+
     # --- join from a peer (no trainer involved) ------------------------------------------------
     async def wb_peer_send(self, addr: str, port: int, prefix: str, index: int, receivers: int,
                            timeout: float) -> dict[str, Any] | None:

@@ -303,8 +303,9 @@ class CheckpointEngineWithCache(CheckpointEngine):
     """An engine that keeps the latest version where a rollout can pull it on its own."""
 
     @abstractmethod
-    def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yield the latest cached version locally."""
+    def get_weights(self, newer_than: int | None = None) -> WeightStream:
+        """The newest cached version newer than ``newer_than``, at once: a stream whose
+        ``.version`` says which (``None``, and nothing in it, when there is none newer)."""
 
 
 class CheckpointEngineRegistry:

@@ -1,0 +1,432 @@
+"""Backends ``shm`` and ``disk``: the newest weights kept where rollouts pull them when they
+are ready (fully-async), instead of a synchronized transfer that waits for the slowest.
+
+A cache is a directory: ``/dev/shm/wbcache_<cache_name>`` for ``shm`` (host shared memory, one
+copy per host however many replicas read it), any directory for ``disk`` (local or a
+shared file system). Each version is one safetensors file, ``v<version>.safetensors``::
+
+    publisher (trainer rank 0, or a CacheRelay fed by any engine):
+        write .v<N>.tmp-<pid>-<rand>  (header, then every tensor, through a memory map)
+        rename it to v<N>.safetensors (atomic: a reader sees all of N or nothing of it)
+        unlink versions older than the newest ``keep`` (default 2)
+    reader (get_weights):
+        the newest v<N> newer than what it holds: open it, map it, yield views of it
+
+A reader that has opened a version holds its memory until it closes it, whatever the
+publisher unlinks meanwhile (a mapping keeps its file's pages, and the kernel drops them
+when the last mapping goes, also when the reader is SIGKILLed mid-read): publishing N+1
+never disturbs a reader of N, and reclaiming never waits for a reader. A publisher killed
+mid-write leaves only its temporary file, which readers never look at and the next
+publisher removes; a cache directory whose owner is gone is removed by the next owner on
+the host (``sweep_stale_caches``), and an owner that finalizes removes its own.
+
+The files are plain safetensors (any tool reads them; the metadata carries the version
+and the order the publisher sent the tensors in). We lay out the format ourselves: the
+``safetensors`` library writes only from tensors in memory, and reads by copying, where a
+cache wants an engine to write into the mapped file and a reader to take views of it.
+Tensors are laid out by element size, largest first, so every one is aligned for a typed
+view, with no gap (the format forbids gaps).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from weightbus import buffers, config
+from weightbus.engines.base import (
+    CheckpointEngineRegistry,
+    CheckpointEngineWithCache,
+    UpdateStats,
+    Weights,
+    WeightStream,
+    check_sides,
+    fetch,
+    resolve_stream,
+)
+from weightbus.errors import PlanError, WeightSyncError
+from weightbus.plan import Manifest
+
+#: torch dtype <-> safetensors dtype name
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_PREFIX = "wbcache_"
+_OWNER = "owner.pid"
+
+
+def _final(root: str, version: int) -> str:
+    return os.path.join(root, f"v{version:020d}.safetensors")
+
+
+def _versions(root: str) -> list[int]:
+    """Complete versions in the cache, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        if n.startswith("v") and n.endswith(".safetensors"):
+            try:
+                out.append(int(n[1:-len(".safetensors")]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
+    """Remove cache directories under ``base`` whose owner process is gone; returns them."""
+    swept = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_PREFIX)]
+    except OSError:
+        return swept
+    for n in names:
+        path = os.path.join(base, n)
+        try:
+            with open(os.path.join(path, _OWNER)) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            continue
+        if pid and not buffers._alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path)
+    return swept
+
+
+class _Writer:
+    """One version being written: a temporary file of its final size, mapped, with a typed
+    view per tensor (manifest order)."""
+
+    def __init__(self, root: str, manifest: Manifest):
+        metas = list(manifest)
+        layout = sorted(range(len(metas)), key=lambda i: -metas[i].itemsize)  # aligned, no gaps
+        offsets: dict[int, tuple[int, int]] = {}
+        pos = 0
+        for i in layout:
+            offsets[i] = (pos, pos + metas[i].nbytes)
+            pos += metas[i].nbytes
+        for m in metas:
+            if m.dtype not in SAFETENSORS_DTYPES:
+                raise PlanError(f"tensor {m.name!r}: dtype {m.dtype} has no safetensors name")
+        header = {m.name: {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
+                           "data_offsets": list(offsets[i])} for i, m in enumerate(metas)}
+        header["__metadata__"] = {"format": "pt", "weightbus_order": json.dumps([m.name for m in metas])}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
+        self.start = 8 + len(raw)
+        self.size = self.start + pos
+        self.tmp = os.path.join(root, f".v-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        self._raw = raw
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, max(1, self.size))
+            self._map = mmap.mmap(fd, max(1, self.size))
+        finally:
+            os.close(fd)
+        self._map[:8] = len(raw).to_bytes(8, "little")
+        self._map[8:self.start] = raw
+        whole = torch.frombuffer(self._map, dtype=torch.uint8, count=self.size)
+        self.views = [whole[self.start + offsets[i][0]:self.start + offsets[i][1]].view(m.dtype).view(m.shape)
+                      for i, m in enumerate(metas)]
+
+    def commit(self, root: str, version: int) -> str:
+        self.views = []
+        self._map.flush()
+        try:
+            self._map.close()
+        except BufferError:  # a view escaped: the file is complete all the same
+            pass
+        final = _final(root, version)
+        os.replace(self.tmp, final)
+        return final
+
+    def abandon(self) -> None:
+        self.views = []
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def read_version(path: str) -> list[tuple[str, torch.Tensor]]:
+    """A complete version file, mapped: ``[(name, view)]`` in the publisher's order.
+    The views keep the mapping (and so the file's pages) alive, whatever is unlinked."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: reading copies nothing
+    finally:
+        os.close(fd)
+    n = int.from_bytes(m[:8], "little")
+    header = json.loads(bytes(m[8:8 + n]))
+    meta = header.pop("__metadata__", {})
+    whole = torch.frombuffer(m, dtype=torch.uint8, count=size)
+    start = 8 + n
+    order = json.loads(meta.get("weightbus_order", "null")) or list(header)
+    out = []
+    for name in order:
+        h = header[name]
+        lo, hi = h["data_offsets"]
+        out.append((name, whole[start + lo:start + hi].view(_FROM_NAME[h["dtype"]]).view(h["shape"])))
+    return out
+
+
+@CheckpointEngineRegistry.register("shm")
+@CheckpointEngineRegistry.register("disk")
+class CacheEngine(CheckpointEngineWithCache):
+    """Publish versions into a cache directory; pull the newest one when ready.
+
+    Args (besides ``timeout``; ``bucket_size``/``num_buffers`` are accepted and unused):
+        path: the cache directory (``disk``: required; ``shm``: default
+            ``/dev/shm/wbcache_<cache_name>``).
+        cache_name: the cache's name on the host (``shm``).
+        keep: how many complete versions stay visible (the newest ones; at least 1).
+
+    The trainer side's ``send_weights`` publishes (trainer rank 0 writes; every trainer
+    rank iterates the source, so sharded sources gather to rank 0) and returns: it never
+    waits for a reader. The rollout side's :meth:`get_weights` returns at once, with the
+    newest version newer than asked for (or nothing); ``receive_weights`` waits for one
+    newer than this engine holds, up to the deadline.
+    """
+
+    def __init__(self, bucket_size: int | None = None, *, path: str | os.PathLike | None = None,
+                 cache_name: str = "default", keep: int = 2, **kwargs: Any):
+        kwargs.setdefault("device", "cpu")  # host memory or disk, also on a GPU machine
+        super().__init__(bucket_size, **kwargs)
+        if self.device.type != "cpu":
+            raise PlanError(f"the cache lives in host memory or on disk: device={self.device} is not "
+                            f"supported (the sink copies from it to the GPU)")
+        self.keep = config.integer(keep, "keep", minimum=1, maximum=1 << 20)
+        if not isinstance(cache_name, str) or not cache_name or "/" in cache_name:
+            raise PlanError(f"cache_name must be a non-empty string without '/', got {cache_name!r}")
+        self.cache_name = cache_name
+        self._path = None if path is None else os.fspath(path)
+        self.rank = 0
+        self._ready = False
+        self._owner = False
+
+    @property
+    def root(self) -> str:
+        if self._path is not None:
+            return self._path
+        if self.backend == "disk":
+            raise PlanError("backend 'disk' needs path= (the cache directory)")
+        return os.path.join("/dev/shm", _PREFIX + self.cache_name)
+
+    # --- lifecycle (no group: publisher and readers meet in the directory) ------------------
+    def prepare(self) -> dict[str, Any]:
+        _ = self.root  # a missing path fails here
+        return {"cache": self.root}
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        check_sides(trainer_world_size, rollout_world_size, metadata)
+        return ({"rank": list(range(trainer_world_size))},
+                {"rank": list(range(trainer_world_size, trainer_world_size + rollout_world_size))})
+
+    def init_process_group(self, *, rank: int = 0, **_: Any) -> None:
+        self.rank = rank
+        self._ready = True
+
+    def connect(self, role: str, rank: int = 0) -> CacheEngine:
+        """Without a group: this process publishes (``trainer``) or reads (``rollout``)."""
+        self.role = role  # type: ignore[assignment]
+        self.init_process_group(rank=rank)
+        return self
+
+    def finalize(self, destroy_group: bool = False) -> None:
+        """With ``destroy_group``, an owner removes its cache directory (readers that hold a
+        version keep reading it)."""
+        if destroy_group and self._owner:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self._owner = False
+        self._ready = self._ready and not destroy_group
+
+    def _own(self) -> None:
+        """Become the directory's owner (publisher): sweep what dead owners left on the host,
+        make the directory, and remove temporary files of publishers that are gone."""
+        if self._owner:
+            return
+        root = self.root
+        if self.backend == "shm":
+            sweep_stale_caches(os.path.dirname(root))
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, _OWNER), "w") as f:
+            f.write(str(os.getpid()))
+        for n in os.listdir(root):
+            if n.startswith(".v-tmp-"):
+                try:
+                    pid = int(n.split("-")[2])
+                except (IndexError, ValueError):
+                    continue
+                if not buffers._alive(pid):
+                    try:
+                        os.unlink(os.path.join(root, n))
+                    except OSError:
+                        pass
+        self._owner = True
+
+    def _check(self, role: str) -> None:
+        if not self._ready:
+            raise WeightSyncError(f"{self.where()}: not connected; call init_process_group() (or connect())")
+        if self.role != role:
+            raise WeightSyncError(f"{self.where()}: this rank is a {self.role}; only a {role} rank may "
+                                  f"{'publish' if role == 'trainer' else 'read'}")
+
+    # --- publish ----------------------------------------------------------------------------
+    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        self._check("trainer")
+        version = self._next_version(version)
+        start = time.perf_counter()
+        with self._exclusive("send_weights"):
+            stream = resolve_stream(weights, None)
+            writer = self.writer(stream.manifest) if self.rank == 0 else None
+            try:
+                held = stream.checked_tensors()
+                if held is not None:
+                    if writer is not None:
+                        buffers.CopyList(writer.views).run(held, lambda k: stream.manifest[k].describe())
+                else:
+                    it = stream.open(None, lambda i: frozenset({0}), self.rank)
+                    for i, meta in enumerate(stream.manifest):
+                        t = fetch(it, meta, i, stream.strict_dtype)
+                        if writer is not None and t is not None:
+                            writer.views[i].copy_(t)
+                    extra = next(it, None)
+                    if extra is not None:
+                        raise PlanError(f"the weight stream has more tensors than its manifest, first "
+                                        f"extra {extra[0]!r}")
+            except BaseException:
+                if writer is not None:
+                    writer.abandon()
+                raise
+            if writer is not None:
+                self.publish(writer, version)
+        self.version = version
+        manifest = stream.manifest
+        wrote = manifest.nbytes if self.rank == 0 else 0
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wrote,
+                                      time.perf_counter() - start, 0)
+        return self.last_stats
+
+    def writer(self, manifest: Manifest) -> _Writer:
+        """A new version's file, to fill (``writer.views``, manifest order), then
+        :meth:`publish` (a :class:`CacheRelay` fills it from any engine)."""
+        self._own()
+        return _Writer(self.root, manifest)
+
+    def publish(self, writer: _Writer, version: int) -> str:
+        """Make the written version visible at once, whole; drop the old ones."""
+        version = config.version(version)
+        if version in _versions(self.root):
+            writer.abandon()
+            raise PlanError(f"{self.where()}: version {version} is in the cache already")
+        path = writer.commit(self.root, version)
+        for old in _versions(self.root)[:-self.keep]:
+            try:
+                os.unlink(_final(self.root, old))
+            except FileNotFoundError:
+                pass
+        return path
+
+    # --- pull -------------------------------------------------------------------------------
+    def get_weights(self, newer_than: int | None = None) -> WeightStream:
+        """The newest complete version newer than ``newer_than``, at once: a stream (one
+        batch of views of the mapped file) whose ``.version`` says which; an empty one with
+        ``.version = None`` when nothing newer is there. Reading it to the end makes it this
+        engine's ``version``."""
+        self._check("rollout")
+        got = self._open_newest(newer_than)
+        if got is None:
+            stream = WeightStream(iter(()))
+            stream.version = None  # type: ignore[attr-defined]
+            return stream
+        version, items = got
+        stream = WeightStream(self._yield(version, items))
+        stream.version = version  # type: ignore[attr-defined]
+        return stream
+
+    def _open_newest(self, newer_than: int | None) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        for _ in range(8):  # the newest may be unlinked between listing and opening it: list again
+            vs = [v for v in _versions(self.root) if newer_than is None or v > newer_than]
+            if not vs:
+                return None
+            try:
+                items = read_version(_final(self.root, vs[-1]))
+            except FileNotFoundError:
+                continue
+            return vs[-1], items
+        raise WeightSyncError(f"{self.where()}: the cache at {self.root} changes faster than it can "
+                              f"be opened")
+
+    def _yield(self, version: int, items: list[tuple[str, torch.Tensor]]) -> Iterator[list]:
+        with self._exclusive("receive_weights"):
+            self.version = None  # the consumer writes from here on: torn until the end
+            yield items
+            self.version = version
+            self.last_stats = UpdateStats(version, len(items), sum(t.nbytes for _, t in items), 0, 0.0, 1)
+
+    def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
+        """A version newer than this engine holds, waiting for one up to the deadline."""
+        self._check("rollout")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            stream = self.get_weights(newer_than=self.version)
+            if stream.version is not None:  # type: ignore[attr-defined]
+                return stream
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"{self.where()}: no version newer than {self.version} appeared in "
+                                      f"{self.root} within {self.timeout:.0f}s")
+            time.sleep(0.01)
+
+
+class CacheRelay:
+    """Fills a host's cache from any weightbus engine: one transfer per host, whatever the
+    number of replicas reading the cache there. ``engine`` is a rollout-side engine of the
+    trainer's group (gloo, nccl, nixl, mooncake...); ``cache`` a trainer-side cache engine.
+
+    ``step()`` receives one update into a new version file (written as it arrives) and
+    publishes it under the version the trainer sent."""
+
+    def __init__(self, engine: Any, cache: CacheEngine):
+        if cache.role != "trainer":
+            raise PlanError("CacheRelay: the cache engine must be the publishing side (role='trainer')")
+        self.engine, self.cache = engine, cache
+
+    def step(self) -> int:
+        writer: list[_Writer] = []
+        index: dict[str, int] = {}
+
+        def open_version(manifest: Manifest) -> None:
+            writer.append(self.cache.writer(manifest))
+            index.update((m.name, i) for i, m in enumerate(manifest))
+
+        try:
+            for name, t in self.engine.receive_weights_sync(validate=open_version):
+                writer[0].views[index[name]].copy_(t)
+        except BaseException:
+            if writer:
+                writer[0].abandon()
+            raise
+        version = self.engine.version
+        self.cache.publish(writer[0], version)
+        self.cache.version = version
+        return version
+
