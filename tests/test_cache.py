@@ -187,3 +187,33 @@ def test_cache_options_checked_where_given(tmp_path):
     assert reader.get_weights().version is None  # nothing published: returns at once
     with pytest.raises(WeightbusError, match="only a trainer rank may publish"):
         asyncio.run(reader.send_weights(ModuleSource(Mixed())))
+
+
+def test_publishing_never_disturbs_a_reader(port):
+    """A reader that holds version 1 while 2, 3 and 4 are published (files recycled where
+    no reader holds them) still reads version 1 whole; later pulls get the newest."""
+    name = f"keep{port}"
+    owner = workers_cache.cache("trainer", "shm", name)
+    reader = workers_cache.cache("rollout", "shm", name)
+    model = Mixed()
+    published = {}
+    for v in range(1, 5):
+        model.step(v)
+        asyncio.run(owner.send_weights(ModuleSource(model), version=v))
+        published[v] = workers_cache.digests(model)
+        if v == 1:
+            held = reader.get_weights()  # opened, not read yet
+    inodes = set()
+    for v in range(5, 9):  # steady state: the file of the version leaving the cache is reused
+        model.step(v)
+        asyncio.run(owner.send_weights(ModuleSource(model), version=v))
+        published[v] = workers_cache.digests(model)
+        inodes.add(os.stat(os.path.join(owner.root, f"v{v:020d}.safetensors")).st_ino)
+    assert len(inodes) <= 3
+    target = Mixed()
+    asyncio.run(ModuleSink(target).load(held))
+    assert held.version == 1 and workers_cache.digests(target) == published[1]
+    newest = reader.get_weights(newer_than=1)
+    asyncio.run(ModuleSink(target).load(newest))
+    assert newest.version == 8 and workers_cache.digests(target) == published[8]
+    owner.finalize(destroy_group=True)
