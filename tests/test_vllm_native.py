@@ -199,6 +199,50 @@ def test_native_colocated_shared_memory(llm, free_port):
         tr.close()
 
 
+def test_native_from_the_shm_cache(llm, free_port):
+    """The trainer publishes into the host's shared-memory cache; the vLLM workers read the
+    version from it like from any engine (the cache's files: safetensors, mapped)."""
+    path, engine = llm
+    tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=1, transport="shm")
+    try:
+        for step in (21, 22):
+            tr.each("train_step", step)
+            tr.update(step, mode="abort")
+            assert_bitwise(engine, tr.rank0)
+            assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
+            assert engine.get_weight_version() == str(step)
+    finally:
+        tr.close()
+
+
+def test_native_from_a_sharded_safetensors_checkpoint(llm, free_port, tmp_path):
+    """A checkpoint that transformers' save_pretrained writes in shards (the trainer saves
+    after each step) streams into vLLM through SafetensorsSource: bitwise, and the same
+    into a ModuleSink of the trainer's model class."""
+    from weightbus import ModuleSink
+    from weightbus.integrations.safetensors import SafetensorsSource
+    path, engine = llm
+    tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=1)
+    try:
+        for step in (41, 42):
+            tr.each("train_step", step)
+            ckpt = tmp_path / f"step{step}"
+            tr.rank0.model.save_pretrained(ckpt, max_shard_size="300KB")
+            assert (ckpt / "model.safetensors.index.json").exists()
+            source = SafetensorsSource(ckpt)
+            tr.rank0.engine.source = source
+            tr.update(step, mode="abort")
+            assert_bitwise(engine, tr.rank0)
+            assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
+            copy = type(tr.rank0.model)(tr.rank0.model.config)
+            report = ModuleSink(copy, strict=False).load_iter(iter(SafetensorsSource(ckpt)))
+            assert report.loaded == len(source.manifest)
+            for name, t in tr.rank0.model.state_dict().items():
+                assert torch.equal(copy.state_dict()[name], t), name
+    finally:
+        tr.close()
+
+
 def test_native_layers_spanning_many_buckets(llm, free_port):
     """vLLM's layerwise reload holds a layer's tensors until the layer is complete; with
     buckets far smaller than a layer, those tensors must outlive their bucket's reuse."""

@@ -55,7 +55,7 @@ from weightbus.engines.base import (
     resolve_stream,
 )
 from weightbus.errors import PlanError, WeightSyncError
-from weightbus.plan import Manifest
+from weightbus.plan import Manifest, TensorMeta
 
 #: torch dtype <-> safetensors dtype name
 SAFETENSORS_DTYPES = {
@@ -455,18 +455,62 @@ class CacheEngine(CheckpointEngineWithCache):
             pin.release()  # read: the publisher may recycle the file
             self.last_stats = UpdateStats(version, len(items), sum(t.nbytes for _, t in items), 0, 0.0, 1)
 
-    def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
-        """A version newer than this engine holds, waiting for one up to the deadline."""
-        self._check("rollout")
+    def _wait_newer(self) -> tuple[int, int, list[tuple[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.timeout
         while True:
-            stream = self.get_weights(newer_than=self.version)
-            if stream.version is not None:  # type: ignore[attr-defined]
-                return stream
+            got = self._open_newest(self.version)
+            if got is not None:
+                return got
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"{self.where()}: no version newer than {self.version} appeared in "
                                       f"{self.root} within {self.timeout:.0f}s")
             time.sleep(0.01)
+
+    def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
+        """A version newer than this engine holds, waiting for one up to the deadline."""
+        self._check("rollout")
+        return WeightStream(self._receive_iter(expected, None, None, batched=True))
+
+    def receive_weights_sync(self, *, expected: Manifest | None = None, validate: Any = None,
+                             on_release: Any = None, on_complete: Any = None,
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same as a plain iterator, with the hooks of the bucket engines (a vLLM worker
+        reads a cache like any engine): ``validate(manifest)`` before any tensor,
+        ``on_complete()`` after the last one. The views stay valid while they are held
+        (``on_release`` is never needed: nothing is reused under a reader)."""
+        self._check("rollout")
+        return self._receive_iter(expected, validate, on_complete, batched=False)
+
+    def _receive_iter(self, expected: Manifest | None, validate: Any, on_complete: Any,
+                      batched: bool) -> Iterator[Any]:
+        version, fd, items = self._wait_newer()
+        pin = _Pin(fd)
+        try:
+            with self._exclusive("receive_weights"):
+                manifest = Manifest(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items)
+                if expected is not None and expected.fingerprint != manifest.fingerprint:
+                    raise WeightSyncError(f"{self.where()}: version {version} in the cache differs from the "
+                                          f"expected manifest {expected.first_difference(manifest)}")
+                if validate is not None:
+                    try:
+                        validate(manifest)
+                    except Exception as e:  # noqa: BLE001 - rejected before any tensor is read
+                        raise WeightSyncError(f"{self.where()}: rejected version {version} before "
+                                              f"loading: {e}") from e
+                self.version = None  # the consumer writes from here on: torn until the end
+                if batched:
+                    yield items
+                else:
+                    yield from items
+                if on_complete is not None:
+                    try:
+                        on_complete()
+                    except Exception as e:  # noqa: BLE001
+                        raise WeightSyncError(f"{self.where()}: version {version} failed its check "
+                                              f"after loading: {e}") from e
+                self.version = version
+        finally:
+            pin.release()
 
 
 class CacheRelay:
