@@ -124,41 +124,6 @@ class CheckpointEngineManager:
             raise WeightbusError(f"{what}() needs a cache backend ('shm' or 'disk'), not {self.backend!r}; "
                                  f"update_weights() is the synchronized update")
 
-    def join_from_peer(self, replica: WorkerGroup, peer: WorkerGroup | str | None = None) -> dict[str, Any]:
-        """Add ``replica`` holding the current version, copied from a member that holds it
-        (``peer``, or the first that does) instead of from the trainer: the peer's rank 0
-        sends its own weights to the joiner's ranks over a gloo group of their own, while
-        the peer keeps generating (it is not paused) and the trainer is not involved. The
-        next update includes the joiner like any member. Returns what moved."""
-        if self.version == 0:
-            raise WeightbusError("no version has been sent yet: a joiner gets the first one from the trainer")
-        held = self.versions()
-        candidates = [r for r in self.replicas if held.get(r.name) == self.version and
-                      (peer is None or r is peer or r.name == peer)]
-        if not candidates:
-            which = "" if peer is None else f" {getattr(peer, 'name', peer)!r}"
-            raise WeightbusError(f"no member replica{which} holds version {self.version} to give "
-                                 f"{replica.name!r}; versions held: {held}")
-        src = candidates[0]
-        self.add_replicas([replica])  # checks the name; undone below if the copy fails
-        if self._store is None:
-            self._store = comm.serve_store(self.timeout)
-        self._formations += 1
-        addr, port, prefix = comm.local_address(), self._store.port, f"wb-peer/{self._formations}"
-        k = replica.size
-        try:
-            sent = src.submit("wb_peer_send", [(addr, port, prefix, i, k, self.timeout)
-                                               for i in range(src.size)])
-            got = replica.submit("wb_peer_receive", [(addr, port, prefix, i, k, self.timeout)
-                                                     for i in range(k)])
-            results = self._wait([(src, sent), (replica, got)],
-                                 f"join of {replica.name!r} from {src.name!r}", self.timeout * 1.5)
-        except BaseException:
-            self.replicas.remove(replica)
-            raise
-        return {"peer": src.name, "version": self.version, "bytes": results[0][0]["bytes"],
-                "seconds": results[0][0]["seconds"]}
-
     def remove_replicas(self, replicas: Iterable[WorkerGroup | str]) -> None:
         """They get no further update; their processes may already be gone."""
         for r in replicas:

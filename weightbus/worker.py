@@ -126,43 +126,6 @@ class WeightbusWorker(EngineHost):
             self.resume_generation()
         return self.weights_version
 
-    # --- join from a peer (no trainer involved) ------------------------------------------------
-    async def wb_peer_send(self, addr: str, port: int, prefix: str, index: int, receivers: int,
-                           timeout: float) -> dict[str, Any] | None:
-        """A replica that holds the current version: its rank 0 sends its own weights to a
-        joining replica's ranks over a gloo group of their own (its generation goes on;
-        its weights only change in an update, which the manager does not run meanwhile)."""
-        if index != 0:
-            return None
-        if self.weights_version is None:
-            raise WeightbusError("this replica holds no whole version to give a joiner")
-        engine = CheckpointEngineRegistry.new("gloo", role="trainer", timeout=timeout)
-        try:
-            connect(engine, Rendezvous(addr, port, 0, 1 + receivers, timeout=timeout, prefix=prefix),
-                    1, receivers)
-            source = ModuleSource(dict(self.weights_sink().targets))
-            stats = await engine.send_weights(source, version=self.weights_version)
-        finally:
-            engine.finalize(destroy_group=True)
-        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
-
-    async def wb_peer_receive(self, addr: str, port: int, prefix: str, index: int, receivers: int,
-                              timeout: float) -> dict[str, Any]:
-        """A joining replica's rank: the weights (and version) of a peer replica, straight
-        into this rank's tensors."""
-        targets = dict(self.weights_sink().targets)
-        engine = CheckpointEngineRegistry.new("gloo", role="rollout", timeout=timeout)
-        engine.set_destinations(targets)
-        self.weights_version = None
-        try:
-            connect(engine, Rendezvous(addr, port, 1 + index, 1 + receivers, timeout=timeout, prefix=prefix),
-                    1, receivers)
-            report = await ModuleSink(targets).load(engine.receive_weights())
-        finally:
-            engine.finalize(destroy_group=True)
-        self.weights_version = engine.version
-        return {"version": engine.version, "bytes": report.bytes, "tensors": report.loaded}
-
 
 class _Unavailable:
     """Stands in for a trainer's source that could not be made: the update aborts at its

@@ -768,8 +768,11 @@ class BucketEngine(CheckpointEngine):
 
     # --- receiver ----------------------------------------------------------------------
     def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
-        self._check_ready("rollout")
-        return WeightStream(self._receive_iter(expected, batched=True))
+        return WeightStream(self._checked_receive(expected))
+
+    def _checked_receive(self, expected: Manifest | None) -> Iterator[Batch]:
+        self._check_ready("rollout")  # when the stream is first read, as a generator would
+        yield from self._receive_iter(expected, batched=True)
 
     def receive_weights_sync(self, *, expected: Manifest | None = None,
                              validate: Validator | None = None,

@@ -161,8 +161,8 @@ class _Writer:
         except BufferError:  # a view escaped: the file is complete all the same
             pass
         final = _final(root, version)
+        self._unlock()  # before it is visible: a reader must never find the newest one locked
         os.replace(self.tmp, final)
-        self._unlock()
         return final
 
     def _unlock(self) -> None:
@@ -429,13 +429,15 @@ class CacheEngine(CheckpointEngineWithCache):
     def _open_newest(self, newer_than: int | None) -> tuple[int, int, list[tuple[str, torch.Tensor]]] | None:
         """(version, locked descriptor, views) of the newest version newer than asked for.
         The shared lock keeps the publisher from recycling the file while it is read."""
-        for _ in range(8):  # the newest may go between listing and locking it: list again
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:  # the newest may go between listing and locking it
             vs = [v for v in _versions(self.root) if newer_than is None or v > newer_than]
             if not vs:
                 return None
             path = _final(self.root, vs[-1])
             fd = _lock(path, exclusive=False)
             if fd is None:
+                time.sleep(0.001)
                 continue
             try:
                 return vs[-1], fd, read_version(path, fd)

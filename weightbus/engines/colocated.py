@@ -474,10 +474,6 @@ class ColocatedEngine(BucketEngine):
     def _receive_direct(self, expected: Manifest | None, validate: Validator | None = None,
                         on_complete: Callable[[], None] | None = None, batched: bool = False) -> Any:
         self._check_ready("rollout")
-        return self._receive_direct_iter(expected, validate, on_complete, batched)
-
-    def _receive_direct_iter(self, expected: Manifest | None, validate: Validator | None,
-                             on_complete: Callable[[], None] | None, batched: bool) -> Any:
         with self._exclusive("receive_weights"):
             yield from self._receive_direct_update(expected, validate, on_complete, batched)
 
