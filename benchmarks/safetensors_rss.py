@@ -23,7 +23,7 @@ import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink
 from weightbus.bench import BenchConfig
-from weightbus.comm import free_port
+from weightbus.comm import serve_store
 from weightbus.integrations.safetensors import SafetensorsSource
 from weightbus.runtime.local import Rendezvous, connect, spawn
 
@@ -109,7 +109,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as path:
         shards = write_checkpoint(a.preset, path, a.shard_mb)
-        sender, receiver = spawn(_run, 2, (free_port(), path, a.preset, a.bucket_mb), timeout=900)
+        store = serve_store(600)  # the rendezvous the two processes meet on
+        sender, receiver = spawn(_run, 2, (store.port, path, a.preset, a.bucket_mb), timeout=900)
     mib = 1 << 20
     grew = {k: (sender["peak"][k] - sender["base"][k]) / mib for k in ("RssAnon", "RssFile")}
     print("| preset | shards | GB sent | seconds | sender anonymous memory growth MiB | its buckets MiB "
