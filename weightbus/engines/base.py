@@ -488,6 +488,21 @@ class BucketEngine(CheckpointEngine):
         self._assembler_of: buffers.Assembler | None = None
         self._assembler_for: tuple[Any, Any] = (None, None)
 
+    def _take_place(self, rank: int, T: int, R: int, bucket_size: int | None) -> None:
+        """An engine with registered slots (``_slots``) joining a formation: this rank's
+        place, and the bucket size the group agreed on (its slots must hold it)."""
+        slots: list[torch.Tensor] = getattr(self, "_slots", [])
+        if bucket_size is not None:
+            if slots and slots[0].numel() < bucket_size:
+                raise PlanError(f"{self.where()}: the group agreed on {bucket_size}-byte buckets, but "
+                                f"this rank's slots hold {slots[0].numel()}: call prepare() again")
+            self._bucket_size = int(bucket_size)
+            self._plans.clear()
+        self.rank, self.world_size, self.T, self.R = rank, T + R, T, R
+        self.role = "trainer" if rank < T else "rollout"
+        self.trainer_rank = rank if rank < T else -1
+        self.n_senders = T
+
     # --- transport hooks -------------------------------------------------------------
     @abstractmethod
     def _packs(self, b: Bucket) -> bool:

@@ -173,16 +173,7 @@ class MooncakeEngine(BucketEngine):
         """``leaders``: global ranks of the replica leaders; ``replica``: (index, rank in
         it, size) of this rollout rank's replica; ``sources``: a leader's trainer slots."""
         T, R = trainer_world_size, rollout_world_size
-        if bucket_size is not None:
-            if self._slots and self._slots[0].numel() < bucket_size:
-                raise PlanError(f"{self.where()}: the group agreed on {bucket_size}-byte buckets, but "
-                                f"this rank's slots hold {self._slots[0].numel()}: call prepare() again")
-            self._bucket_size = int(bucket_size)
-            self._plans.clear()
-        self.rank, self.world_size, self.T, self.R = rank, T + R, T, R
-        self.role = "trainer" if rank < T else "rollout"
-        self.trainer_rank = rank if rank < T else -1
-        self.n_senders = T
+        self._take_place(rank, T, R, bucket_size)
         self._drop_group()
         self._sources = {int(t): (s, list(a)) for t, (s, a) in (sources or {}).items()}
         self._leaders = list(leaders)
