@@ -488,6 +488,10 @@ class BucketEngine(CheckpointEngine):
         self._assembler_of: buffers.Assembler | None = None
         self._assembler_for: tuple[Any, Any] = (None, None)
 
+    def _begin(self, version: int) -> None:
+        """The header is through: an update to ``version`` starts on this rank (engines
+        with per-update transport state reset it here)."""
+
     def _take_place(self, rank: int, T: int, R: int, bucket_size: int | None) -> None:
         """An engine with registered slots (``_slots``) joining a formation: this rank's
         place, and the bucket size the group agreed on (its slots must hold it)."""
@@ -653,6 +657,7 @@ class BucketEngine(CheckpointEngine):
                      f"{manifest.first_difference(stream.manifest)}")
         if stream is not None and stream.strict_dtype:
             self._stream_manifest = stream.manifest
+        self._begin(version)
         error, wire, buckets = self._transfer(manifest, stream if error is None else None, version, error)
         _log.debug("%s: version %d: %d buckets out after %.3f s", self.where(), version, buckets,
                    time.perf_counter() - start)
@@ -813,6 +818,7 @@ class BucketEngine(CheckpointEngine):
         """The header of an incoming update: (start time, version, manifest, error)."""
         start = time.perf_counter()
         version, manifest = self._exchange_header(0, None, None)
+        self._begin(version)
         error = None
         if expected is not None and expected.fingerprint != manifest.fingerprint:
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "

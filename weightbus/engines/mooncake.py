@@ -251,15 +251,6 @@ class MooncakeEngine(BucketEngine):
         self._version = version
         self._words.clear()
 
-    def _transfer(self, manifest: Any, stream: Any, version: int, error: str | None) -> Any:
-        self._begin(version)
-        return super()._transfer(manifest, stream, version, error)
-
-    def _open_receive(self, expected: Any, validate: Any = None) -> Any:
-        start, version, manifest, error = super()._open_receive(expected, validate)
-        self._begin(version)
-        return start, version, manifest, error
-
     # --- transport hooks ---------------------------------------------------------------
     def _slot_of(self, b: Bucket) -> int:
         return (b.index // self.T) % self.num_buffers  # an owner's own buckets, in turn

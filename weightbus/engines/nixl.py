@@ -35,7 +35,7 @@ import torch
 from weightbus import buffers, comm
 from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.errors import PlanError, WeightSyncError
-from weightbus.plan import Bucket, BucketPlan, Manifest
+from weightbus.plan import Bucket, BucketPlan
 
 #: seconds a wait sleeps between polls: short next to a bucket's transfer, long enough to
 #: leave the CPU to UCX's own threads and to the peer processes on the host
@@ -212,16 +212,6 @@ class NixlEngine(BucketEngine):
             self._wait_writes(None)
 
     # --- the current update's tag and mailbox ----------------------------------------
-    def _transfer(self, manifest: Manifest, stream: Any, version: int,
-                  error: str | None) -> tuple[str | None, int, int]:
-        self._begin(version)
-        return super()._transfer(manifest, stream, version, error)
-
-    def _open_receive(self, expected: Any, validate: Any = None) -> Any:
-        start, version, manifest, error = super()._open_receive(expected, validate)
-        self._begin(version)
-        return start, version, manifest, error
-
     def _begin(self, version: int) -> None:
         self._tag = f"{self._group_tag}/{version}"
         self._inbox.clear()
