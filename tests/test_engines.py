@@ -51,7 +51,11 @@ def test_lifecycle_bitwise_with_failures_between(port, backend, T, R):
     # a failed update never advances a rollout's version; the rank that stopped reading saw
     # no error of its own (it chose to stop), but it took 3 tensors of version 5 in: its
     # engine says it holds no whole version (None), not version 3
-    assert [e.get("version") for e in rollouts[-1]] == [1, 2, 3, None, None, 6, 7, None, 9]
+    # (p2p engines whose replicas fail alone: the last rank, in another replica than the
+    # one that stopped, completes those updates)
+    alone = backend.startswith("mooncake")
+    assert [e.get("version") for e in rollouts[-1]] == \
+        [1, 2, 3, None, 5 if alone else None, 6, 7, 8 if alone else None, 9]
     assert rollouts[0][4]["version"] is None and rollouts[0][7]["version"] is None
 
 
@@ -87,14 +91,17 @@ def test_peer_lost_mid_update_fails_fast_then_recovers(port, backend, mode):
                 allow_fail=frozenset({2}))
     trainer, survivor = out[0], out[1]
     assert trainer[1]["ok"] == 1 and "ok" in survivor[1]
+    alone = backend == "mooncake"  # each replica fails alone: the survivor completes
     if backend == "colocated":  # rollout 2 pairs with trainer 0 as well; rollout 1 too
         assert "error" in trainer[2]
+    elif alone:
+        assert "ok" in survivor[2] and "failed on replica 'r1'" in trainer[2]["error"]
     else:
         assert "error" in trainer[2] and "error" in survivor[2]
     for side in (trainer, survivor):
         if "error" in side[2]:
             assert side[2]["seconds"] < 3.0 * 2  # within the deadline (3 s), not a hang
-    assert trainer[3]["ok"] == 2  # versions go on from the last complete update
+    assert trainer[3]["ok"] == (3 if alone else 2)  # versions go on from the last complete update
     assert survivor[3]["ok"] == trainer[3]["expected"]  # bitwise, after re-forming
 
 

@@ -87,39 +87,79 @@ def test_ray_replica_death_is_named(ray_cluster):
             g.shutdown()
 
 
-def test_elastic_add_remove_and_failures_local():
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+    ELASTIC = ["mooncake"]
+except ImportError:
+    ELASTIC = []
+
+
+@pytest.mark.parametrize("backend", ["gloo", *ELASTIC])
+def test_elastic_add_remove_and_failures_local(backend):
+    """Replicas join, leave, die and hang between and during updates. A broadcast engine
+    re-forms its group on each change; an elastic one (mooncake) links only the replica
+    that changed, keeps every other replica's connections (checked on both sides), and
+    completes an update on the others when one replica dies or hangs in it."""
+    elastic = backend in ELASTIC
     trainer = LocalWorkerGroup(Trainer, 2, free_port(), name="trainer")
     r0 = LocalWorkerGroup(Rollout, 1, name="r0")
     r1 = LocalWorkerGroup(Rollout, 2, name="r1")  # a replica of two ranks
     groups = [trainer, r0, r1]
-    mgr = CheckpointEngineManager("gloo", trainer, [r0, r1], timeout=8, bucket_size=1 << 16)
+    mgr = CheckpointEngineManager(backend, trainer, [r0, r1], timeout=8, bucket_size=1 << 16)
 
     def same(rep):
         want = call(trainer, "weights_digest", timeout=10)[0]
         return call(rep, "weights_digest", timeout=10) == [want] * rep.size
+
+    def links(*reps):
+        """Every control group held by the trainer ranks and these replicas' ranks."""
+        return [call(g, "wb_links", timeout=10) for g in (trainer, *reps)]
+
+    def kept(before, reps):
+        """The replicas' own links, and the trainers' links to them, are the same objects."""
+        now = links(*reps)
+        for rank_links in now[0]:  # the trainer still holds each replica's link as it was
+            for lid, serial in before[0][0].items():
+                if any(lid in r for rep in before[1:] for r in rep):
+                    assert rank_links.get(lid) == serial, (lid, rank_links)
+        assert now[1:] == before[1:]
 
     try:
         first = mgr.update_weights(version=1)
         assert first.rebuilt and same(r0) and same(r1)
         call(trainer, "train_step", 2, timeout=10)
         again = mgr.update_weights(version=2)
-        assert not again.rebuilt  # the group is reused while membership is unchanged
+        assert not again.rebuilt and again.linked == []  # nothing re-formed while membership holds
         assert mgr.versions() == {"r0": 2, "r1": 2}
+        if elastic:
+            held = links(r0, r1)
+            assert all(len(x) == 2 for x in held[0]) and all(len(x) == 1 for rep in held[1:] for x in rep)
 
         late = LocalWorkerGroup(Rollout, 1, name="late")  # joins: gets the full current weights
         groups.append(late)
         mgr.add_replicas([late])
         call(trainer, "train_step", 3, timeout=10)
         rep = mgr.update_weights(version=3)
-        assert rep.rebuilt and same(late) and same(r0) and mgr.versions()["late"] == 3
+        assert same(late) and same(r0) and mgr.versions()["late"] == 3
+        if elastic:
+            assert not rep.rebuilt and rep.linked == ["late"]
+            kept(held, [r0, r1])
+        else:
+            assert rep.rebuilt
         with pytest.raises(WeightbusError, match="already a member"):
             mgr.add_replicas([late])
 
+        if elastic:
+            held = links(r0, late)
         mgr.remove_replicas([r1])
         r1.shutdown()  # its processes are gone; the next update does not need them
         call(trainer, "train_step", 4, timeout=10)
-        mgr.update_weights(version=4)
+        rep = mgr.update_weights(version=4)
         assert mgr.versions() == {"r0": 4, "late": 4}
+        if elastic:
+            assert not rep.rebuilt and rep.linked == []
+            kept(held, [r0, late])
+            assert all(len(x) == 2 for x in links()[0])  # the trainers dropped r1's link
 
         for mode in ("die", "hang"):
             bad = LocalWorkerGroup(FailingRollout, 1, mode, 5 if mode == "die" else 6, name=f"bad-{mode}")
@@ -127,15 +167,24 @@ def test_elastic_add_remove_and_failures_local():
             mgr.add_replicas([bad])
             version = 5 if mode == "die" else 6
             call(trainer, "train_step", version, timeout=10)
+            if elastic:
+                held = links(r0, late)
             t0 = time.monotonic()
-            with pytest.raises(WeightSyncError, match=f"replica 'bad-{mode}'"):
+            with pytest.raises(WeightSyncError, match=f"replica 'bad-{mode}'") as failed:
                 mgr.update_weights(version=version)
             assert time.monotonic() - t0 < 8 * 1.5 + 8 + 5  # deadlines, not a hang
-            assert mgr.versions()["r0"] is None  # torn by the failed update: no version claimed
+            if elastic:  # the others completed the update without it, bitwise
+                assert failed.value.versions == {"r0": version, "late": version, f"bad-{mode}": None}
+                assert same(r0) and same(late)
+            else:
+                assert mgr.versions()["r0"] is None  # torn by the failed update: no version claimed
             mgr.remove_replicas([bad])
             bad.shutdown(timeout=1)
-            mgr.update_weights(version=version)  # the others, without it
+            rep = mgr.update_weights(version=version)  # the others, without it
             assert mgr.versions() == {"r0": version, "late": version} and same(r0) and same(late)
+            if elastic:
+                assert not rep.rebuilt and rep.linked == []
+                kept(held, [r0, late])
     finally:
         for g in groups:
             g.shutdown(timeout=2)

@@ -29,6 +29,18 @@ class WeightSyncError(WeightbusError):
     """An update failed; raised on every rank of the update with the same reason."""
 
 
+class ReplicasFailed(WeightSyncError):
+    """An elastic engine's send reached some replicas but not all: :attr:`failed` maps
+    each replica that did not get it to why; :attr:`stats` is the send's own record.
+    The others hold the new version; the failed ones are linked again before they
+    receive another update."""
+
+    def __init__(self, message: str, failed: dict[str, str], stats: object):
+        super().__init__(message)
+        self.failed = failed
+        self.stats = stats
+
+
 class UpdateFailed(WeightSyncError):
     """A manager's update failed. Every replica still alive was resumed on the weights it
     holds; :attr:`versions` says which version each replica holds (None: none, or torn)."""

@@ -31,6 +31,9 @@ class UpdateReport:
     bytes: int = 0
     replicas: list[str] = field(default_factory=list)
     rebuilt: bool = False
+    #: elastic engines: the replicas linked to the trainers for this update (new, or
+    #: back after a failure); every other replica kept its connections
+    linked: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -77,6 +80,11 @@ class CheckpointEngineManager:
         self._store: Any = None  # the rendezvous store every rank connects through
         self._formations = 0
         self._lost: list[tuple[WorkerGroup, str]] = []  # groups the last failed wait lost
+        self._errored: list[WorkerGroup] = []  # groups that failed the last failed wait
+        # elastic engines (``mooncake``): each replica is linked to the trainers on its own
+        self._served: list[dict[str, Any]] | None = None  # the trainer ranks' metadata
+        self._linked: dict[str, str] = {}  # replica name -> its link id
+        self._stale: set[str] = set()  # link ids the trainers must drop
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -191,8 +199,11 @@ class CheckpointEngineManager:
             phase("pause")
             membership = tuple(id(r) for r in self.replicas)
             if membership != self._formed_for:
-                self._form(version)
-                report.rebuilt = True
+                linked = self._form(version)
+                if linked is None:
+                    report.rebuilt = True
+                else:
+                    report.linked = linked
             phase("setup")
             sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
             recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
@@ -200,7 +211,8 @@ class CheckpointEngineManager:
                                  f"update to version {version}", self.timeout * 1.5)
             phase("transfer")
         except WeightSyncError as e:
-            self._formed_for = None  # the next update re-forms the group
+            self._formed_for = None  # the next update re-forms the group (elastic: links the failed)
+            self._relink(self._errored)
             # a replica that died or hangs answers nothing (a hung one would keep the next
             # calls waiting behind it): the others are resumed, and asked what they hold
             lost = {id(g): why for g, why in self._lost}
@@ -213,6 +225,10 @@ class CheckpointEngineManager:
                                + "".join(f"; {n} not resumed ({err})" for n, err in resumed.items() if err)
                                + f". Versions held: {held}", held, ok) from e
         report.bytes = results[0][0]["bytes"]  # the payload every rollout rank received
+        lost = {lid for r in results[0] for lid in r.get("failed", ())}
+        if lost:  # a trainer dropped a link its replica thinks it holds: link it again
+            self._relink([r for r in self.replicas if self._linked.get(r.name) in lost])
+            self._formed_for = None
         self.version = version
         resumed = self._try_all(self.replicas, "resume_generation")
         failed = {n: err for n, err in resumed.items() if err}
@@ -229,19 +245,14 @@ class CheckpointEngineManager:
         """Hybrid: release rollout memory before training."""
         self._all(self.replicas, "sleep", self.version)
 
-    def _form(self, version: int) -> None:
-        """Engines for new members, then every rank connects through a rendezvous on the
-        manager's store (prepare -> all-gather metadata -> init_process_group)."""
+    def _form(self, version: int) -> list[str] | None:
+        """Bring the group up to the current membership. Returns the replicas newly
+        linked (elastic engines, which re-form nothing else), or None after a whole
+        re-formation."""
         self._formed_for = None
-        groups = [self.trainer, *self.replicas]
-        fresh = [g for g in groups if id(g) not in self._setup]
-        def setup(g: Any) -> tuple[Any, ...]:  # a replica's ranks share its name
-            trainer = g is self.trainer
-            return (self.backend, "trainer" if trainer else "rollout", self.engine_kwargs,
-                    None if trainer else f"replica-{id(g):x}")
-        self._wait([(g, g.submit("wb_setup", [setup(g)] * g.size)) for g in fresh],
-                   f"setting up engines for version {version}", self.timeout)
-        self._setup.update(id(g) for g in fresh)
+        self._setup_engines(version)
+        if getattr(self.engine_cls, "elastic", False):
+            return self._link(version)
         if self._store is None:
             self._store = comm.serve_store(self.timeout)
         self._formations += 1
@@ -249,11 +260,65 @@ class CheckpointEngineManager:
         T = self.trainer.size
         R = sum(r.size for r in self.replicas)
         pending, first = [], 0
-        for g in groups:
+        for g in [self.trainer, *self.replicas]:
             pending.append((g, g.submit("wb_connect", [(*where, first + i, T, R) for i in range(g.size)])))
             first += g.size
         self._wait(pending, "forming the weight-sync group", self.timeout)
         self._formed_for = tuple(id(r) for r in self.replicas)
+        return None
+
+    def _setup_engines(self, version: int) -> None:
+        """An engine on every rank of a group that has none yet."""
+        fresh = [g for g in [self.trainer, *self.replicas] if id(g) not in self._setup]
+
+        def setup(g: Any) -> tuple[Any, ...]:  # a replica's ranks share its name
+            trainer = g is self.trainer
+            return (self.backend, "trainer" if trainer else "rollout", self.engine_kwargs,
+                    None if trainer else f"replica-{id(g):x}")
+        self._wait([(g, g.submit("wb_setup", [setup(g)] * g.size)) for g in fresh],
+                   f"setting up engines for version {version}", self.timeout)
+        self._setup.update(id(g) for g in fresh)
+
+    def _link(self, version: int) -> list[str] | None:
+        """Elastic engines: drop the links of replicas that left or failed, link the new
+        ones (each joins the trainers in a control group of its own); the others keep
+        theirs. The first time (or after the trainer failed), every replica is linked."""
+        T = self.trainer.size
+        whole = self._served is None
+        if whole:
+            metas = self._wait([(self.trainer, self.trainer.submit("wb_prepare"))],
+                               f"preparing the trainer for version {version}", self.timeout)[0]
+            self._wait([(self.trainer, self.trainer.submit("wb_serve", [(i, metas) for i in range(T)]))],
+                       f"serving the replicas for version {version}", self.timeout)
+            self._served, self._linked, self._stale = metas, {}, set()
+        names = {r.name for r in self.replicas}
+        drop = sorted(self._stale | {lid for n, lid in self._linked.items() if n not in names})
+        self._linked = {n: lid for n, lid in self._linked.items() if n in names}
+        new = [r for r in self.replicas if r.name not in self._linked]
+        self._formations += 1
+        add = [(f"{r.name}@{self._formations}", r.size) for r in new]
+        self._stale.update(lid for lid, _ in add)  # until they are linked on every side
+        pending = [(self.trainer, self.trainer.submit("wb_link", [(add, drop)] * T))]
+        pending += [(r, r.submit("wb_attach", [(self._served, lid, i, r.size) for i in range(r.size)]))
+                    for r, (lid, _) in zip(new, add, strict=True)]
+        self._wait(pending, f"linking {[r.name for r in new] or 'no'} replica(s) for version {version}",
+                   self.timeout)
+        self._stale.difference_update(drop)
+        self._stale.difference_update(lid for lid, _ in add)
+        self._linked.update({r.name: lid for r, (lid, _) in zip(new, add, strict=True)})
+        self._formed_for = tuple(id(r) for r in self.replicas)
+        return None if whole else [r.name for r in new]
+
+    def _relink(self, groups: Sequence[WorkerGroup]) -> None:
+        """Elastic engines: these groups failed; the next update links them again (all of
+        them when the trainer is among them)."""
+        if any(g is self.trainer for g in groups):
+            self._served = None
+            return
+        for g in groups:
+            lid = self._linked.pop(g.name, None)
+            if lid is not None:
+                self._stale.add(lid)
 
     def _all(self, groups: Sequence[WorkerGroup], method: str, version: int,
              kwargs: dict[str, Any] | None = None) -> None:
@@ -265,7 +330,7 @@ class CheckpointEngineManager:
         that died or hung first (the others' errors are usually their consequence)."""
         deadline = time.monotonic() + timeout
         results, errors = [], []
-        self._lost = []
+        self._lost, self._errored = [], []
         for group, p in pending:
             try:
                 results.append(p.result(max(0.1, deadline - time.monotonic())))
@@ -274,6 +339,7 @@ class CheckpointEngineManager:
                 results.append(None)
         if errors:
             self._formed_for = None  # the next update re-forms the group
+            self._errored = [g for g, _ in errors]
             lost = [(g, e) for g, e in errors if {"died", "timed out"} & set(e.kinds.values())]
             self._lost = [(g, "died" if "died" in e.kinds.values() else "hung") for g, e in lost]
             first = lost or errors
@@ -287,7 +353,7 @@ class CheckpointEngineManager:
 
     def shutdown(self) -> None:
         """Tear down the engines (not the worker processes, which belong to the caller)."""
-        self._store = None
+        self._store = self._served = None
         for g in [self.trainer, *self.replicas]:
             try:
                 g.submit("wb_teardown").result(self.timeout)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
-from weightbus.errors import WeightbusError
+from weightbus.errors import ReplicasFailed, WeightbusError
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
@@ -41,6 +41,25 @@ class EngineHost:
         rdv = Rendezvous(addr, port, rank, trainer_world_size + rollout_world_size,
                          timeout=self._wb_engine.timeout, prefix=prefix)
         connect(self._wb_engine, rdv, trainer_world_size, rollout_world_size)
+
+    # elastic engines (``mooncake``): replicas are linked to the trainers one by one
+    def wb_prepare(self) -> dict[str, Any]:
+        assert self._wb_engine is not None, "wb_setup first"
+        return self._wb_engine.prepare()
+
+    def wb_serve(self, rank: int, trainer_metadata: list[dict[str, Any]]) -> None:
+        self._wb_engine.serve(rank, trainer_metadata)  # type: ignore[union-attr]
+
+    def wb_link(self, add: list[tuple[str, int]], drop: list[str]) -> None:
+        self._wb_engine.link_replicas(add, drop)  # type: ignore[union-attr]
+
+    def wb_attach(self, trainer_metadata: list[dict[str, Any]], link: str, rank: int, size: int) -> None:
+        self._wb_engine.attach(trainer_metadata, link, rank, size)  # type: ignore[union-attr]
+
+    def wb_links(self) -> dict[str, int]:
+        """Elastic engines: the control groups this rank holds (link id -> the serial it was
+        formed under), to see that a membership change left them alone."""
+        return dict(getattr(self._wb_engine, "links", {}))
 
     def wb_version(self) -> int | None:
         return self.weights_version
@@ -82,9 +101,13 @@ class WeightbusWorker(EngineHost):
             source: Any = self.weights_source()
         except Exception as e:  # noqa: BLE001 - every rank hears it at the header, at once
             source = _Unavailable(e)
-        stats = await self._wb_engine.send_weights(source, version=version)
+        failed: dict[str, str] = {}
+        try:
+            stats = await self._wb_engine.send_weights(source, version=version)
+        except ReplicasFailed as e:  # an elastic engine reached the others: the manager sorts it out
+            stats, failed = e.stats, e.failed  # type: ignore[assignment]
         self.weights_version = version
-        return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors}
+        return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors, "failed": failed}
 
     async def wb_receive(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"

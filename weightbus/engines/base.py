@@ -619,9 +619,17 @@ class BucketEngine(CheckpointEngine):
 
     def _finish(self, version: int, error: str | None) -> None:
         """All ranks: agree on the outcome; raise the first failing rank's reason."""
-        flags = torch.tensor([1 if error else 0, -self._ctl_rank if error else -(1 << 30)],
-                             dtype=torch.int64)
+        flags = self._outcome(error)
         self._ctl_wait(comm.allreduce_max(self._ctl, flags), "finish")
+        self._finish_agreed(version, error, flags)
+
+    def _outcome(self, error: str | None) -> torch.Tensor:
+        """This rank's say in the outcome (max-reduced: failed?, first failing rank)."""
+        return torch.tensor([1 if error else 0, -self._ctl_rank if error else -(1 << 30)], dtype=torch.int64)
+
+    def _finish_agreed(self, version: int, error: str | None, flags: torch.Tensor) -> None:
+        """After the outcome's reduction: on failure, the first failing rank tells every
+        rank why, and every rank raises that."""
         if flags[0].item() == 0:
             return
         src = int(-flags[1].item())
@@ -631,7 +639,9 @@ class BucketEngine(CheckpointEngine):
             msg[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self._ctl_wait(comm.broadcast(self._ctl, msg, src), "finish")
         text = bytes(msg.numpy()).rstrip(b"\0").decode(errors="replace")
-        raise WeightSyncError(f"update to version {version} failed: {text}")
+        err = WeightSyncError(f"update to version {version} failed: {text}")
+        err.rank = src  # type: ignore[attr-defined]  # the control-group rank that failed first
+        raise err
 
     # --- sender ------------------------------------------------------------------------
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:

@@ -30,16 +30,24 @@ no Mooncake API covers.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from weightbus import buffers, comm, config
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
-from weightbus.errors import PlanError, WeightSyncError
-from weightbus.plan import Bucket, BucketPlan
+from weightbus.engines.base import (
+    BucketEngine,
+    CheckpointEngineRegistry,
+    UpdateStats,
+    agree_buffers,
+    check_sides,
+)
+from weightbus.errors import PlanError, ReplicasFailed, WeightSyncError, as_timedelta
+from weightbus.plan import Bucket, BucketPlan, Manifest
 
 #: seconds between polls of a read in flight
 _SPIN = 50e-6
@@ -58,10 +66,25 @@ def _mooncake_api() -> Any:
     return TransferEngine
 
 
+class _Link:
+    """Trainer side: the control group of one replica (the T trainer ranks, then the
+    replica's k ranks; its leader is rank T). Each replica has its own, so a replica that
+    joins, leaves or dies touches no other replica's connections."""
+
+    def __init__(self, link_id: str, size: int, pg: Any, serial: int):
+        self.id, self.size, self.pg, self.serial = link_id, size, pg, serial
+        self.fp: int | None = None  # the manifest this replica has seen
+        self.lost: str | None = None  # why it was lost during the current update
+        self.words: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> ACK being received
+        self.sent: list[tuple[Any, torch.Tensor]] = []  # READY words in flight
+
+
 @CheckpointEngineRegistry.register("mooncake")
 class MooncakeEngine(BucketEngine):
     """Replica leaders read buckets from the trainer ranks and relay them inside their
-    replica (see the module doc).
+    replica (see the module doc). Elastic: replicas are linked to the trainers one by one
+    (:meth:`link_replicas`, :meth:`attach`), and an update that loses one replica still
+    completes on the others (the trainer then raises :class:`ReplicasFailed`).
 
     Args (besides the common ones):
         replica_size: rollout ranks per replica (rollout side; every rollout rank gives the
@@ -69,6 +92,9 @@ class MooncakeEngine(BucketEngine):
         protocol: the transfer engine's transport, ``tcp`` (default) or ``rdma``.
         device_name: RDMA device(s) for ``rdma`` (e.g. ``mlx5_0``); empty for ``tcp``.
     """
+
+    #: replicas join and leave without re-forming the others (the manager links them one by one)
+    elastic = True
 
     def __init__(self, bucket_size: int | None = None, *, replica_size: int = 1,
                  protocol: str = "tcp", device_name: str = "", **kwargs: Any):
@@ -87,11 +113,16 @@ class MooncakeEngine(BucketEngine):
         self._registered: list[int] = []
         self._store_server: Any = None
         self._token = ""
-        self._formed = 0
-        self._formed_token = ""
+        self._master: tuple[str, int, str] | None = None  # trainer rank 0's store, and its token
         self.T = self.R = 1
+        self._serial = 0  # control groups this engine has formed
+        # trainer side
+        self._links: dict[str, _Link] = {}
+        self._failed: dict[str, str] = {}  # replicas the last update lost or failed
+        # rollout side
+        self._link = ""
+        self._link_serial = 0
         self._sources: dict[int, tuple[str, list[int]]] = {}  # trainer -> (session, slot addrs)
-        self._leaders: list[int] = []  # global ranks of the replica leaders
         self._is_leader = False
         self._replica: Any = None  # the replica's own group (k > 1)
         self._replica_rank = 0
@@ -154,102 +185,329 @@ class MooncakeEngine(BucketEngine):
                              [m.get("replica_size", 1) for m in metadata[T:]])
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
-                  "bucket_size": agree_buffers(T, metadata),
-                  "leaders": [T + first for first, _ in replicas]}
-        sources = {t: (metadata[t]["session"], list(metadata[t]["slots"])) for t in range(T)}
-        mine = [(j, r - first, size) for j, (first, size) in enumerate(replicas)
+                  "bucket_size": agree_buffers(T, metadata)}
+        links = [(f"r{j}", size) for j, (_, size) in enumerate(replicas)]
+        sources = _sources(metadata[:T])
+        mine = [(f"r{j}", r - first, size) for j, (first, size) in enumerate(replicas)
                 for r in range(first, first + size)]
-        trainer = {key: [v] * T for key, v in common.items()} | {"rank": list(range(T)), "sources": [{}] * T,
-                                                                 "replica": [None] * T}
+        trainer = {key: [v] * T for key, v in common.items()} | {
+            "rank": list(range(T)), "links": [links] * T, "link": [None] * T, "sources": [{}] * T}
         rollout = {key: [v] * R for key, v in common.items()} | {
-            "rank": list(range(T, T + R)), "replica": mine,
+            "rank": list(range(T, T + R)), "links": [[]] * R, "link": mine,
             "sources": [sources if me[1] == 0 else {} for me in mine]}  # the leaders read
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
-                           master_addr: str, master_port: int, token: str, leaders: list[int],
-                           replica: tuple[int, int, int] | None = None, sources: dict[int, Any] | None = None,
+                           master_addr: str, master_port: int, token: str,
+                           links: list[tuple[str, int]] | None = None,
+                           link: tuple[str, int, int] | None = None, sources: dict[int, Any] | None = None,
                            bucket_size: int | None = None) -> None:
-        """``leaders``: global ranks of the replica leaders; ``replica``: (index, rank in
-        it, size) of this rollout rank's replica; ``sources``: a leader's trainer slots."""
+        """Trainer ranks: ``links`` = (id, size) of every replica; rollout ranks: ``link`` =
+        (id, rank in the replica, size) of their own, and a leader's ``sources`` (the
+        trainers' sessions and slot addresses)."""
         T, R = trainer_world_size, rollout_world_size
         self._take_place(rank, T, R, bucket_size)
-        self._drop_group()
-        self._sources = {int(t): (s, list(a)) for t, (s, a) in (sources or {}).items()}
-        self._leaders = list(leaders)
-        self._is_leader = replica is not None and replica[1] == 0
-        if token != self._formed_token:
-            self._formed_token, self._formed = token, 0
-        self._formed += 1
-        prefix = f"wb/{token}/{self._formed}"
-        self._store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
-        self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
-                                   None, self.where())
-        self._ctl_rank = rank
-        if replica is not None and replica[2] > 1:
-            j, self._replica_rank, k = replica
-            self._replica = comm.new_group("gloo", self._store, f"{prefix}/replica{j}", self._replica_rank,
-                                           k, self.timeout, None, self.where())
-        self._broken = None
-        self._peers_fingerprint = None
+        self._connect(master_addr, master_port, token)
+        if rank < T:
+            self.link_replicas(list(links or []), list(self._links))
+        elif link is None:
+            raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
+        else:
+            self._attach(link, sources or {})
 
     rebuild_group = init_process_group
 
-    def _drop_group(self) -> None:
+    def _connect(self, addr: str, port: int, token: str) -> None:
+        if self._master != (addr, port, token):
+            self._drop_all()
+            self._store = comm.connect_store(addr, port, self.timeout, self.where())
+            self._master = (addr, port, token)
+        self._broken = None
+
+    # --- elastic membership (what the manager drives) ------------------------------------
+    def serve(self, rank: int, trainer_metadata: list[dict[str, Any]]) -> None:
+        """Trainer rank ``rank`` of ``len(trainer_metadata)`` (every trainer rank's
+        ``prepare()``, in rank order) takes its place; replicas are linked afterwards."""
+        T = len(trainer_metadata)
+        self._take_place(rank, T, 0, agree_buffers(T, trainer_metadata))
+        m = trainer_metadata[0]
+        self._connect(m["addr"], m["port"], m["token"])
+
+    def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> None:
+        """Trainer side: forget the replicas ``drop`` (ids; unknown ones are ignored), then
+        form a control group with each replica of ``add`` ((id, size); its ranks call
+        :meth:`attach` at the same time). No other replica's group is touched."""
+        for link_id in drop:
+            link = self._links.pop(link_id, None)
+            if link is not None:
+                _close(link.pg, link.lost is not None)
+        self._ctl_rank = self.trainer_rank  # in every link, the trainer ranks come first
+        for link_id, size in add:
+            if link_id in self._links:
+                raise PlanError(f"{self.where()}: replica link {link_id!r} exists already")
+            pg = comm.new_group("gloo", self._store, f"wb/{self._master[2]}/{link_id}",  # type: ignore[index]
+                                self.trainer_rank, self.T + size, self.timeout, None,
+                                f"{self.where()} linking replica {link_id!r}")
+            self._serial += 1
+            self._links[link_id] = _Link(link_id, size, pg, self._serial)
+        self.R = sum(link.size for link in self._links.values())
+        self.world_size = self.T + self.R
+
+    def attach(self, trainer_metadata: list[dict[str, Any]], link: str, rank: int, size: int) -> None:
+        """Rollout side: rank ``rank`` of a replica of ``size`` ranks joins the trainers
+        (which call :meth:`link_replicas` with ``(link, size)`` at the same time)."""
+        T = len(trainer_metadata)
+        self._take_place(T + rank, T, size, agree_buffers(T, trainer_metadata))
+        self._open()
+        m = trainer_metadata[0]
+        self._connect(m["addr"], m["port"], m["token"])
+        self._attach((link, rank, size), _sources(trainer_metadata) if rank == 0 else {})
+
+    def _attach(self, link: tuple[str, int, int], sources: dict[int, Any]) -> None:
+        self._drop_all()
+        link_id, self._replica_rank, k = link
+        self._sources = {int(t): (s, list(a)) for t, (s, a) in sources.items()}
+        self._is_leader = self._replica_rank == 0
+        if self._is_leader and len(self._sources) != self.T:
+            raise PlanError(f"{self.where()}: a replica leader needs the slots of all {self.T} trainer "
+                            f"ranks, got {sorted(self._sources)}")
+        prefix = f"wb/{self._master[2]}/{link_id}"  # type: ignore[index]
+        self._ctl = comm.new_group("gloo", self._store, prefix, self.T + self._replica_rank, self.T + k,
+                                   self.timeout, None, f"{self.where()} joining as replica {link_id!r}")
+        self._ctl_rank = self.T + self._replica_rank
+        if k > 1:
+            self._replica = comm.new_group("gloo", self._store, f"{prefix}/replica", self._replica_rank,
+                                           k, self.timeout, None, self.where())
+        self._serial += 1
+        self._link, self._link_serial = link_id, self._serial
+        self._peers_fingerprint = None
+
+    @property
+    def links(self) -> dict[str, int]:
+        """The control groups this rank holds: replica link id -> the serial number it was
+        formed under (a link re-formed gets a new one)."""
+        if self.role == "trainer":
+            return {link.id: link.serial for link in self._links.values()}
+        return {self._link: self._link_serial} if self._ctl is not None else {}
+
+    def _drop_all(self) -> None:
+        for link in self._links.values():
+            _close(link.pg, link.lost is not None)
+        self._links = {}
         for pg in (self._ctl, self._replica):
-            if pg is not None and self._broken:
-                try:
-                    pg.abort()
-                except Exception:  # noqa: BLE001 - it failed already
-                    pass
+            if pg is not None:
+                _close(pg, bool(self._broken))
         self._ctl, self._replica, self._replica_rank = None, None, 0
         self._words, self._sent = {}, []
 
     def finalize(self, destroy_group: bool = False) -> None:
         if destroy_group:
-            self._drop_group()
+            self._drop_all()
+            self._master = None
             self._unregister()
             self._slots, self._te, self._store_server = [], None, None
             self._forget_views()
 
+    # --- trainer side: one replica lost does not fail the others -----------------------------
+    def _check_ready(self, role: Any) -> None:
+        if role == self.role == "trainer" and not self._broken:  # its groups are the links
+            self._prune()
+            if not self._links:
+                raise WeightSyncError(f"{self.where()}: no replica is linked; call init_process_group() "
+                                      f"(or link_replicas()) first")
+            return
+        super()._check_ready(role)
+
+    def _prune(self) -> None:
+        """Forget the replicas an earlier update lost (the manager links them again if
+        they come back)."""
+        for link_id in [x.id for x in self._links.values() if x.lost]:
+            del self._links[link_id]
+
+    def _live(self) -> list[_Link]:
+        return [link for link in self._links.values() if link.lost is None]
+
+    def _lose(self, link: _Link, phase: str, e: BaseException) -> None:
+        """Replica ``link`` failed this update; the others go on."""
+        if link.lost is None:
+            link.lost = f"{phase}: {e}"
+            link.words.clear()
+            link.sent.clear()
+            _close(link.pg, True)
+
+    @contextlib.contextmanager
+    def _on(self, link: _Link, phase: str) -> Iterator[None]:
+        """Run the core's header or finish on one replica's group: a transport failure
+        there loses that replica only."""
+        self._ctl, self._peers_fingerprint, self._broken = link.pg, link.fp, None
+        try:
+            yield
+        finally:
+            link.fp = self._peers_fingerprint
+            if self._broken:
+                self._lose(link, phase, RuntimeError(self._broken))
+            self._ctl, self._broken = None, None
+
+    def _exchange_header(self, version: int, manifest: Manifest | None, error: str | None,
+                         ) -> tuple[int, Manifest]:
+        if self.role != "trainer":
+            return super()._exchange_header(version, manifest, error)
+        agreed: tuple[int, Manifest] | None = None
+        aborted: WeightSyncError | None = None
+        for link in self._live():
+            try:
+                with self._on(link, "header"):
+                    agreed = super()._exchange_header(version, manifest, error)
+            except WeightSyncError as e:
+                if link.lost is None:  # the sender root's abort, told to every replica
+                    aborted = aborted or e
+        if aborted is not None:
+            raise aborted
+        if agreed is None:
+            raise WeightSyncError(f"{self.where()}: update to version {version} reached no replica: "
+                                  + "; ".join(f"{x.id}: {x.lost}" for x in self._links.values()))
+        return agreed
+
+    def _finish(self, version: int, error: str | None) -> None:
+        if self.role != "trainer":
+            return super()._finish(version, error)
+        # every replica's outcome at once: one that never answers costs the others nothing
+        pending = {}
+        for link in self._live():
+            flags = self._outcome(error)
+            try:
+                pending[link.id] = (comm.allreduce_max(link.pg, flags), flags)
+            except Exception as e:  # noqa: BLE001
+                self._lose(link, "finish", e)
+        deadline = time.monotonic() + self.timeout
+        own: WeightSyncError | None = None
+        self._failed = {}
+        for link in self._live():
+            work, flags = pending[link.id]
+            try:
+                work.wait(as_timedelta(max(0.1, deadline - time.monotonic())))
+                with self._on(link, "finish"):
+                    self._finish_agreed(version, error, flags)
+            except WeightSyncError as e:
+                if getattr(e, "rank", self.T) < self.T:  # a trainer rank failed: every replica hears it
+                    own = own or e
+                elif link.lost is None:
+                    self._failed[link.id] = str(e)
+            except Exception as e:  # noqa: BLE001 - this replica's group failed
+                self._lose(link, "finish", e)
+        self._failed.update({x.id: x.lost for x in self._links.values() if x.lost})  # type: ignore[misc]
+        self._prune()
+        if own is not None:
+            raise own
+
+    async def send_weights(self, weights: Any, *, version: int | None = None) -> UpdateStats:
+        stats = await super().send_weights(weights, version=version)
+        if self._failed:
+            reached = [x for x in self._links if x not in self._failed]
+            raise ReplicasFailed(f"{self.where()}: version {stats.version} reached {len(reached)} "
+                                 f"replica(s) but failed on "
+                                 + "; ".join(f"replica {k!r} ({v})" for k, v in self._failed.items()),
+                                 dict(self._failed), stats)
+        return stats
+
     # --- control words -------------------------------------------------------------------
     def _who(self, rank: int) -> str:
-        return f"trainer rank {rank}" if rank < self.T else f"rollout rank {rank - self.T}"
+        return f"trainer rank {rank}" if rank < self.T else f"replica rank {rank - self.T}"
 
     def _word(self, b: int) -> torch.Tensor:
         return torch.tensor([self._version, b], dtype=torch.int64)
 
-    def _tell(self, peer: int, tag: int, b: int) -> None:
-        w = self._word(b)
-        try:
-            self._sent.append((self._ctl.send([w], peer, tag), w))
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(f"telling {self._who(peer)} about bucket {b}", e) from e
-
-    def _expect(self, peer: int, tag: int, b: int) -> None:
-        """Post the receive of ``peer``'s word about bucket ``b``."""
-        w = torch.empty(2, dtype=torch.int64)
-        try:
-            self._words[(peer, b)] = (self._ctl.recv([w], peer, tag), w)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(f"waiting for {self._who(peer)} about bucket {b}", e) from e
-
-    def _await_word(self, peer: int, b: int, phase: str) -> None:
-        work, w = self._words.pop((peer, b))
-        self._ctl_wait(work, phase)  # the control group's deadline
+    def _check_word(self, w: torch.Tensor, b: int, who: str) -> None:
         got = w.tolist()
         if got != [self._version, b]:
-            raise self._fail(phase, RuntimeError(f"{self._who(peer)} sent version {got[0]} bucket "
-                                                 f"{got[1]}; expected version {self._version} bucket {b}"))
-
-    def _drain_sent(self) -> None:
-        sent, self._sent = self._sent, []
-        for work, _ in sent:
-            self._ctl_wait(work, "sending a control word")
+            raise RuntimeError(f"{who} sent version {got[0]} bucket {got[1]}; expected version "
+                               f"{self._version} bucket {b}")
 
     def _begin(self, version: int) -> None:
         self._version = version
         self._words.clear()
+        for link in self._links.values():
+            link.words.clear()
+            link.sent.clear()
+
+    # trainer: READY to every live leader, ACK back; a failure loses that replica only
+    def _await_ack(self, link: _Link, b: int, phase: str) -> None:
+        work, w = link.words.pop(b)
+        try:
+            # half the deadline: a replica that stopped reading is dropped from this update
+            # before the others, whose waits have the whole deadline, give up on it
+            work.wait(as_timedelta(self.timeout / 2))
+            self._check_word(w, b, f"replica {link.id!r}")
+        except Exception as e:  # noqa: BLE001
+            self._lose(link, phase, e)
+
+    def _acquire(self, b: Bucket) -> torch.Tensor:
+        prev = b.index - self.T * self.num_buffers  # the bucket this slot held last
+        if prev >= 0:
+            for link in self._live():
+                self._await_ack(link, prev, f"send bucket {b.index}: waiting for replica {link.id!r} "
+                                            f"to read bucket {prev}")
+        return self._slots[self._slot_of(b)]
+
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+        for link in self._live():
+            ack, ready = torch.empty(2, dtype=torch.int64), self._word(b.index)
+            try:
+                link.words[b.index] = (link.pg.recv([ack], self.T, _ACK), ack)
+                link.sent.append((link.pg.send([ready], self.T, _READY), ready))
+            except Exception as e:  # noqa: BLE001
+                self._lose(link, f"telling replica {link.id!r} about bucket {b.index}", e)
+
+    def _flush_send(self, plan: BucketPlan) -> None:
+        for b in plan.buckets:  # the last reads of every slot: done before the slots are reused
+            if b.owner == self.trainer_rank and b.index + self.T * self.num_buffers >= len(plan):
+                for link in self._live():
+                    self._await_ack(link, b.index,
+                                    f"waiting for replica {link.id!r} to read bucket {b.index}")
+        for link in self._live():
+            sent, link.sent = link.sent, []
+            for work, _ in sent:
+                try:
+                    work.wait()
+                except Exception as e:  # noqa: BLE001
+                    self._lose(link, f"telling replica {link.id!r} about a bucket", e)
+                    break
+
+    # rollout leader: READY from the owner, read, ACK
+    def _post_recv(self, b: Bucket) -> None:
+        if self._is_leader:
+            w = torch.empty(2, dtype=torch.int64)
+            try:
+                self._words[(b.owner, b.index)] = (self._ctl.recv([w], b.owner, _READY), w)
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"waiting for {self._who(b.owner)} about bucket {b.index}", e) from e
+
+    def _wait_recv(self, b: Bucket) -> torch.Tensor:
+        slot = self._slots[b.index % self.num_buffers]
+        if self._is_leader:
+            owner = b.owner
+            phase = f"receive bucket {b.index}: waiting for {self._who(owner)}"
+            work, w = self._words.pop((owner, b.index))
+            self._ctl_wait(work, phase)
+            try:
+                self._check_word(w, b.index, self._who(owner))
+            except RuntimeError as e:
+                raise self._fail(phase, e) from e
+            self._read(owner, b, slot)
+            ack = self._word(b.index)
+            try:
+                self._sent.append((self._ctl.send([ack], owner, _ACK), ack))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"telling {self._who(owner)} bucket {b.index} was read", e) from e
+        if self._replica is not None:
+            self._ctl_wait(comm.broadcast(self._replica, slot[:b.wire_bytes], 0),
+                           f"relay bucket {b.index} inside the replica")
+        return slot
+
+    def _flush_recv(self, plan: BucketPlan) -> None:
+        sent, self._sent = self._sent, []
+        for work, _ in sent:
+            self._ctl_wait(work, "sending a control word")
 
     # --- transport hooks ---------------------------------------------------------------
     def _slot_of(self, b: Bucket) -> int:
@@ -260,43 +518,6 @@ class MooncakeEngine(BucketEngine):
 
     def _owners(self, plan: BucketPlan, index: int) -> frozenset[int]:
         return plan.owners_of(index)
-
-    def _acquire(self, b: Bucket) -> torch.Tensor:
-        prev = b.index - self.T * self.num_buffers  # the bucket this slot held last
-        if prev >= 0:
-            for leader in self._leaders:
-                self._await_word(leader, prev, f"send bucket {b.index}: waiting for "
-                                               f"{self._who(leader)} to read bucket {prev}")
-        return self._slots[self._slot_of(b)]
-
-    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
-        for leader in self._leaders:
-            self._expect(leader, _ACK, b.index)
-            self._tell(leader, _READY, b.index)
-
-    def _flush_send(self, plan: BucketPlan) -> None:
-        for b in plan.buckets:  # the last reads of every slot: done before the slots are reused
-            if b.owner == self.trainer_rank and b.index + self.T * self.num_buffers >= len(plan):
-                for leader in self._leaders:
-                    self._await_word(leader, b.index, f"waiting for {self._who(leader)} to read "
-                                                      f"bucket {b.index}")
-        self._drain_sent()
-
-    def _post_recv(self, b: Bucket) -> None:
-        if self._is_leader:
-            self._expect(b.owner, _READY, b.index)
-
-    def _wait_recv(self, b: Bucket) -> torch.Tensor:
-        slot = self._slots[b.index % self.num_buffers]
-        if self._is_leader:
-            owner = b.owner
-            self._await_word(owner, b.index, f"receive bucket {b.index}: waiting for {self._who(owner)}")
-            self._read(owner, b, slot)
-            self._tell(owner, _ACK, b.index)
-        if self._replica is not None:
-            self._ctl_wait(comm.broadcast(self._replica, slot[:b.wire_bytes], 0),
-                           f"relay bucket {b.index} inside the replica")
-        return slot
 
     def _read(self, owner: int, b: Bucket, slot: torch.Tensor) -> None:
         """One Mooncake read of bucket ``b`` from its owner's slot, with our deadline."""
@@ -323,8 +544,19 @@ class MooncakeEngine(BucketEngine):
                 raise self._fail(phase, TimeoutError(f"not done after {self.timeout:.0f}s"))
             time.sleep(_SPIN)
 
-    def _flush_recv(self, plan: BucketPlan) -> None:
-        self._drain_sent()
+
+def _close(pg: Any, failed: bool) -> None:
+    """Drop a control group; one that failed is aborted first (its peers may be gone)."""
+    if failed:
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - it failed already
+            pass
+
+
+def _sources(trainer_metadata: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]]:
+    """What a leader reads from: every trainer rank's session and slot addresses."""
+    return {t: (m["session"], list(m["slots"])) for t, m in enumerate(trainer_metadata)}
 
 
 def _replicas(names: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
