@@ -188,3 +188,46 @@ def test_elastic_add_remove_and_failures_local(backend):
     finally:
         for g in groups:
             g.shutdown(timeout=2)
+
+
+@pytest.mark.parametrize("backend", ["gloo", *ELASTIC])
+def test_join_from_peer_without_trainer_or_pause_local(backend):
+    """A late replica gets the current version from a member that holds it: the trainer is
+    busy training throughout (it answers nothing), and the member keeps generating, never
+    paused; the joiner ends bitwise equal to it, and the next update includes it (an
+    elastic engine links only the joiner)."""
+    trainer = LocalWorkerGroup(Trainer, 1, free_port(), name="trainer")
+    r0 = LocalWorkerGroup(Rollout, 2, name="r0")
+    joiner = LocalWorkerGroup(Rollout, 2, name="joiner")
+    groups = [trainer, r0, joiner]
+    mgr = CheckpointEngineManager(backend, trainer, [r0], timeout=10, bucket_size=1 << 16)
+    try:
+        with pytest.raises(WeightbusError, match="no version has been sent yet"):
+            mgr.join_from_peer(joiner)
+        for v in (1, 2):
+            call(trainer, "train_step", v, timeout=10)
+            mgr.update_weights(version=v)
+        want = call(r0, "weights_digest", timeout=10)[0]
+        assert call(joiner, "weights_digest", timeout=10)[0] != want  # it starts elsewhere
+        call(r0, "start_loop", timeout=10)
+        busy = trainer.submit("train_step", [(3, 3.0)])  # training: it answers nothing meanwhile
+        got = mgr.join_from_peer(joiner)
+        assert call(r0, "is_paused", timeout=10) == [False, False]
+        busy.result(30)  # (the join finished first: the trainer was not needed)
+        samples = call(r0, "stop_loop", timeout=30)
+        assert all(len(s) > 0 for s in samples)  # it generated meanwhile
+        assert got["peer"] == "r0" and got["version"] == 2 and got["bytes"] > 0
+        assert call(joiner, "weights_digest", timeout=10) == [want, want]
+        assert mgr.versions() == {"r0": 2, "joiner": 2}
+        with pytest.raises(WeightbusError, match="already a member"):
+            mgr.join_from_peer(joiner)
+        rep = mgr.update_weights(version=3)
+        if backend in ELASTIC:
+            assert rep.linked == ["joiner"] and not rep.rebuilt
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        assert call(joiner, "weights_digest", timeout=10) == [want] * 2
+        assert call(r0, "weights_digest", timeout=10) == [want] * 2
+        assert mgr.versions() == {"r0": 3, "joiner": 3}
+    finally:
+        for g in groups:
+            g.shutdown(timeout=2)

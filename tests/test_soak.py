@@ -82,6 +82,7 @@ def test_soak(backend):
             assert set(mgr.versions().values()) == {v}
             if v == 2:  # warmed up: the baseline every later reading is compared with
                 start, shm_start = _usage([trainer, stay]), _shm()
+                stay_links = call(stay, "wb_links", timeout=30)
             if v % CHURN == 0 and v < UPDATES:
                 new = LocalWorkerGroup(Rollout, 1, name=f"churn{made}")
                 made += 1
@@ -91,6 +92,8 @@ def test_soak(backend):
                 old.shutdown(timeout=5)
                 churn.append(new)
         end, shm_end = _usage([trainer, stay]), _shm()
+        if backend in MOONCAKE:  # elastic: the churn never touched the staying replica's links
+            assert call(stay, "wb_links", timeout=30) == stay_links and rebuilt == 1, (stay_links, rebuilt)
         print(f"\nsoak {backend}: {UPDATES} updates, {verified} replica ranks verified bitwise, "
               f"{made - 1} joins and leaves, {rebuilt} re-formations; /dev/shm entries "
               f"{shm_before} -> {shm_start} -> {shm_end}")

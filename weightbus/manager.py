@@ -132,6 +132,44 @@ class CheckpointEngineManager:
             raise WeightbusError(f"{what}() needs a cache backend ('shm' or 'disk'), not {self.backend!r}; "
                                  f"update_weights() is the synchronized update")
 
+    def join_from_peer(self, replica: WorkerGroup, peer: WorkerGroup | str | None = None, *,
+                       backend: str = "gloo") -> dict[str, Any]:
+        """Add ``replica`` holding the current version, copied from a member that holds it
+        (``peer``, or the first that does, with as many ranks) instead of from the trainer:
+        each rank of the peer sends its own weights (its TP shard) to the joiner's rank of
+        the same index, over a group of those two (``backend``: ``gloo``, or ``nccl``
+        between GPUs), while the peer keeps generating (it is not
+        paused) and the trainer is not involved (it may be training). The next update
+        includes the joiner like any member (an elastic engine links just the joiner).
+        Returns what moved."""
+        CheckpointEngineRegistry.get(backend)  # an unknown name fails here
+        if self.version == 0:
+            raise WeightbusError("no version has been sent yet: a joiner gets the first one from the trainer")
+        held = self.versions()
+        candidates = [r for r in self.replicas if held.get(r.name) == self.version and
+                      r.size == replica.size and (peer is None or r is peer or r.name == peer)]
+        if not candidates:
+            which = "" if peer is None else f" {getattr(peer, 'name', peer)!r}"
+            raise WeightbusError(f"no member replica{which} of {replica.size} rank(s) holds version "
+                                 f"{self.version} to give {replica.name!r}; versions held: {held}")
+        src = candidates[0]
+        self.add_replicas([replica])  # checks the name; undone below if the copy fails
+        if self._store is None:
+            self._store = comm.serve_store(self.timeout)
+        self._formations += 1
+        addr, port, prefix = comm.local_address(), self._store.port, f"wb-peer/{self._formations}"
+        pairs = [(addr, port, f"{prefix}/{i}", self.timeout, backend) for i in range(replica.size)]
+        try:
+            sent = src.submit("wb_peer_send", pairs)
+            got = replica.submit("wb_peer_receive", pairs)
+            results = self._wait([(src, sent), (replica, got)],
+                                 f"join of {replica.name!r} from {src.name!r}", self.timeout * 1.5)
+        except BaseException:
+            self.replicas.remove(replica)
+            raise
+        return {"peer": src.name, "version": self.version, "bytes": sum(x["bytes"] for x in results[0]),
+                "seconds": max(x["seconds"] for x in results[0])}
+
     def remove_replicas(self, replicas: Iterable[WorkerGroup | str]) -> None:
         """They get no further update; their processes may already be gone."""
         for r in replicas:

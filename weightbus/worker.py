@@ -149,6 +149,40 @@ class WeightbusWorker(EngineHost):
             self.resume_generation()
         return self.weights_version
 
+    # --- join from a peer (no trainer involved) ------------------------------------------------
+    async def wb_peer_send(self, addr: str, port: int, prefix: str, timeout: float,
+                           backend: str = "gloo") -> dict[str, Any]:
+        """A rank of a replica that holds the current version sends its own weights to the
+        joining replica's rank of the same index, over a group of those two (its
+        generation goes on; its weights change only in an update, which the manager does
+        not run meanwhile)."""
+        if self.weights_version is None:
+            raise WeightbusError("this replica holds no whole version to give a joiner")
+        engine = CheckpointEngineRegistry.new(backend, role="trainer", timeout=timeout)
+        try:
+            connect(engine, Rendezvous(addr, port, 0, 2, timeout=timeout, prefix=prefix), 1, 1)
+            source = ModuleSource(dict(self.weights_sink().targets))
+            stats = await engine.send_weights(source, version=self.weights_version)
+        finally:
+            engine.finalize(destroy_group=True)
+        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
+
+    async def wb_peer_receive(self, addr: str, port: int, prefix: str, timeout: float,
+                              backend: str = "gloo") -> dict[str, Any]:
+        """A joining replica's rank: the weights (and version) of the peer's rank of the
+        same index, straight into this rank's tensors."""
+        targets = dict(self.weights_sink().targets)
+        engine = CheckpointEngineRegistry.new(backend, role="rollout", timeout=timeout)
+        engine.set_destinations(targets)
+        self.weights_version = None
+        try:
+            connect(engine, Rendezvous(addr, port, 1, 2, timeout=timeout, prefix=prefix), 1, 1)
+            report = await ModuleSink(targets).load(engine.receive_weights())
+        finally:
+            engine.finalize(destroy_group=True)
+        self.weights_version = engine.version
+        return {"version": engine.version, "bytes": report.bytes, "tensors": report.loaded, "seconds": 0.0}
+
 
 class _Unavailable:
     """Stands in for a trainer's source that could not be made: the update aborts at its

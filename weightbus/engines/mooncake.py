@@ -13,15 +13,18 @@ Topology, T trainer ranks and R rollout ranks in replicas of ``replica_size`` = 
 Every trainer rank's link carries its own share of the model once per replica; nothing is
 staged whole (Kimi's checkpoint engine pins the trainer's whole model in host memory first:
 7-23 s for 8B-30B models), and the trainer never pushes: the replicas read. A trainer reuses
-a slot only when every leader has acked its previous bucket. The small words (ready, ack)
-travel as gloo point-to-point messages of the core's control group, tagged with the
-version; the header and the final status are the core's, so a failure anywhere fails the
-update on every rank, and every wait has the engine's deadline.
+a slot only when every leader has acked its previous bucket. Each replica has a control
+group of its own with the trainer ranks (a *link*); the small words (ready, ack) travel as
+gloo point-to-point messages on it, tagged with the version, and the core's header and
+final status run on each link. So a replica joins or leaves without touching any other
+replica's connections, and one that dies or hangs mid-update is dropped from that update
+(after half the deadline without an ack) while the others complete it; the trainer then
+raises :class:`~weightbus.errors.ReplicasFailed`. Every wait has the engine's deadline.
 
 No metadata service is needed: the transfer engines meet with Mooncake's peer-to-peer
 handshake (``P2PHANDSHAKE``), each side naming itself ``host:rpc_port``; the slot addresses
-travel in ``prepare()``'s metadata. A rank joining or leaving changes only the control
-group: the engines connect on demand, and a replica that is gone is simply not read for.
+travel in ``prepare()``'s metadata. The transfer engines connect on demand: a replica that
+is gone is simply not read for.
 
 Mooncake (``pip install 'weightbus[mooncake]'``, the ``non-cuda`` build on machines without
 CUDA; it needs ``libibverbs1``) does the moving; we decide who reads which slot when, which
