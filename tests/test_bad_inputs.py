@@ -343,3 +343,32 @@ def test_mooncake_replicas_must_split_the_rollout_ranks():
         MooncakeEngine.build_topology(1, 2, [meta(trainer=True), meta(2), meta(1)])
     trainer, rollout = MooncakeEngine.build_topology(1, 4, [meta(trainer=True)] + [meta(2)] * 4)
     assert [bool(s) for s in rollout["sources"]] == [True, False, True, False]  # leaders read
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed")
+@pytest.mark.parametrize("kwargs,match", [
+    ({"topology": "ring"}, "topology must be one of"),
+    ({"link_gbps": 0}, "link_gbps must be a finite number of GB/s > 0"),
+    ({"link_gbps": "fast"}, "link_gbps must be a number of GB/s > 0"),
+])
+def test_nixl_options_checked_where_given(kwargs, match):
+    with pytest.raises(WeightbusError, match=match):
+        CheckpointEngineRegistry.new("nixl", role="rollout", **kwargs)
+
+
+def test_nixl_topology_agreed_and_routed():
+    """The ranks must agree on the topology; the routes follow the tree the rates pick."""
+    from weightbus.engines.nixl import NixlEngine
+
+    def meta(rank, topology="auto", gbps=None):
+        m = {"addr": "127.0.0.1", "device": "cpu", "bucket_size": 1 << 20, "num_buffers": 2, "alignment": 256,
+             "agent": f"a{rank}", "nixl": b"", "slots": [], "topology": topology, "link_gbps": gbps}
+        return m | ({"port": 1, "token": "t"} if rank == 0 else {})
+    with pytest.raises(WeightbusError, match=r"disagree on topology: \['auto', 'tree'\]"):
+        NixlEngine.build_topology(1, 2, [meta(0), meta(1, "tree"), meta(2)])
+    # a trainer link 4x a rollout's, 1 trainer, 6 rollouts: 4 heads, then chains
+    trainer, rollout = NixlEngine.build_topology(1, 6, [meta(0, gbps=100)] + [meta(r, gbps=25) for r in range(1, 7)])
+    assert trainer["fanout"][0] == (4, 1)
+    assert trainer["routes"][0] == {0: (None, [1, 2, 3, 4])}  # the trainer writes to 4 heads
+    assert rollout["routes"][0] == {0: (0, [5])} and rollout["routes"][4] == {0: (1, [])}
+    assert set(rollout["peers"][0]) == {0, 5}  # a rank connects to its neighbours only

@@ -12,7 +12,12 @@ from weightbus.runtime.local import spawn
 
 try:  # the nixl backend's cases run where NIXL is installed (CI installs it)
     import nixl  # noqa: F401
-    NIXL = [pytest.param("nixl", 2, 3, id="nixl-2-3"), pytest.param("nixl", 1, 3, id="nixl-1-3")]
+    NIXL = [pytest.param("nixl", 2, 3, id="nixl-2-3"), pytest.param("nixl", 1, 3, id="nixl-1-3"),
+            # trees: binary (0 -> 1, 2; 1 -> 3), direct writes, and from link rates (a trainer
+            # link twice a rollout's: two heads, a chain below each)
+            pytest.param("nixl:tree", 1, 4, id="nixl-tree-1-4"),
+            pytest.param("nixl:direct", 2, 3, id="nixl-direct-2-3"),
+            pytest.param("nixl:rates", 1, 4, id="nixl-rates-1-4")]
 except ImportError:
     NIXL = []
 try:  # the mooncake backend's too ("mooncake:k": replicas of k rollout ranks)

@@ -61,10 +61,15 @@ def trainer_stream(model: Mixed) -> dict[str, torch.Tensor]:
 
 
 def new_engine(backend: str, rollout: bool, **kwargs):
-    """``backend``, or ``mooncake:k`` for mooncake with replicas of k rollout ranks."""
+    """``backend``; ``mooncake:k`` for mooncake with replicas of k rollout ranks; ``nixl:kind``
+    for a nixl topology (``rates``: auto, with trainer links twice as fast as rollouts')."""
     name, _, k = backend.partition(":")
-    if k and rollout:
+    if name == "mooncake" and k and rollout:
         kwargs["replica_size"] = int(k)
+    if name == "nixl" and k:
+        kwargs["topology"] = "auto" if k == "rates" else k
+        if k == "rates":
+            kwargs["link_gbps"] = 1.0 if rollout else 2.0
     return CheckpointEngineRegistry.new(name, role="rollout" if rollout else "trainer", **kwargs)
 
 

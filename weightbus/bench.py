@@ -66,6 +66,7 @@ class BenchConfig:
     #: disaggregated: the engine (None: nccl on a GPU, gloo without) and how many rollouts
     backend: str | None = None
     receivers: int = 1
+    topology: str | None = None  # nixl: chain, tree, direct or auto (its default)
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -75,6 +76,8 @@ class BenchConfig:
             raise ValueError(f"backend must be one of {', '.join(DISAGG_BACKENDS)}, got {self.backend!r}")
         if self.backend is not None and self.scenario != "disaggregated":
             raise ValueError("backend= applies to the disaggregated scenario only")
+        if self.topology is not None and self.engine != "nixl":
+            raise ValueError("topology= applies to the nixl backend only")
         if not isinstance(self.receivers, int) or self.receivers < 1:
             raise ValueError(f"receivers must be an int >= 1, got {self.receivers!r}")
         if self.receivers > 1 and self.gpu:
@@ -98,7 +101,8 @@ class BenchConfig:
         """The scenario as the table shows it: with its engine and receivers when chosen."""
         if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1):
             return self.scenario
-        return f"disagg {self.engine} 1->{self.receivers}"
+        shape = f" {self.topology}" if self.topology else ""
+        return f"disagg {self.engine}{shape} 1->{self.receivers}"
 
 
 # ------------------------------------------------------------------ helpers
@@ -249,10 +253,11 @@ def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]
 
 def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
     """The floor of the nixl engine: the same bucket bytes written one-sided from the
-    trainer's slots to the head of its chain, two in flight, with no packing, credits,
-    forwarding or checks (a chain adds hops, not bytes on the trainer's link)."""
+    trainer's slots to each head of its tree (one head for a chain), two in flight per head,
+    with no packing, credits, forwarding or checks (forwarding adds hops, not bytes on the
+    trainer's link)."""
     agent, slots, peers = engine._agent, engine._slots, engine._peers  # type: ignore[attr-defined]
-    head = next(iter(peers.values()))
+    heads = [peers[h] for h in engine._routes[engine.trainer_rank][1]]  # type: ignore[attr-defined]
     mem = engine._mem  # type: ignore[attr-defined]
     pending: list[Any] = []
 
@@ -262,15 +267,16 @@ def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
         agent.release_xfer_handle(h)
 
     for b in plan.buckets:
-        if len(pending) >= 2:
+        while len(pending) >= 2 * len(heads):
             wait(pending.pop(0))
         src = slots[b.index % len(slots)]
-        addr, _, dev = head[1][b.index % len(head[1])]
         local = agent.get_xfer_descs([(src.data_ptr(), b.wire_bytes, src.device.index or 0)], mem)
-        h = agent.initialize_xfer("WRITE", local, agent.get_xfer_descs([(addr, b.wire_bytes, dev)], mem),
-                                  head[0])
-        agent.transfer(h)
-        pending.append(h)
+        for name, their_slots in heads:
+            addr, _, dev = their_slots[b.index % len(their_slots)]
+            h = agent.initialize_xfer("WRITE", local, agent.get_xfer_descs([(addr, b.wire_bytes, dev)], mem),
+                                      name)
+            agent.transfer(h)
+            pending.append(h)
     for h in pending:
         wait(h)
 
@@ -322,7 +328,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
     engine = CheckpointEngineRegistry.new(
         cfg.engine, device=device, timeout=cfg.timeout,
-        bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout")
+        bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout",
+        **({"topology": cfg.topology} if cfg.topology else {}))
     if not trainer:
         engine.set_destinations(weights)
     connect(engine, rdv, 1, cfg.receivers)

@@ -96,7 +96,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:  # every argument checked before anything starts
         configs = [BenchConfig(scenario=s, preset=p, iters=args.iters, bucket_mb=args.bucket_mb,
                                trainer_dtype=args.trainer_dtype, layers=args.layers, backend=e,
-                               receivers=args.receivers)
+                               receivers=args.receivers,
+                               topology=args.topology if e == "nixl" else None)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         print(f"weightbus bench: {e}", file=sys.stderr)
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         "transfer (default: nccl on a GPU, gloo without)")
     b.add_argument("--receivers", type=int, default=1,
                    help="rollout ranks of the disaggregated scenario (CPU: processes of this host)")
+    b.add_argument("--topology", choices=["auto", "chain", "tree", "direct"],
+                   help="the nixl engine's forwarding tree (default auto: a chain on equal links)")
     b.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default: sized from free memory)")
     b.add_argument("--json", help="write the rows as JSON to this file")

@@ -31,14 +31,15 @@ def _kind(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def positive_seconds(value: Any, what: str) -> float:
-    """A deadline: a finite number of seconds > 0 (an int or a float, not a bool)."""
+def positive_seconds(value: Any, what: str, unit: str = "seconds") -> float:
+    """A deadline: a finite number of seconds > 0 (an int or a float, not a bool); or,
+    with ``unit``, any such quantity (a rate in GB/s)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{what} must be a number of seconds > 0, got {_kind(value)}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{what} must be a finite number of seconds > 0, got {value!r}")
-    return seconds
+        raise ConfigError(f"{what} must be a number of {unit} > 0, got {_kind(value)}")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ConfigError(f"{what} must be a finite number of {unit} > 0, got {value!r}")
+    return number
 
 
 def default_timeout() -> float:

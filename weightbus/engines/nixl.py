@@ -1,23 +1,27 @@
-"""Backend ``nixl``: pipelined chains of one-sided NIXL writes between registered bucket
-slots (UCX: host memory anywhere, device memory where NIXL has CUDA).
+"""Backend ``nixl``: pipelined chains (or trees) of one-sided NIXL writes between registered
+bucket slots (UCX: host memory anywhere, device memory where NIXL has CUDA).
 
-Topology, T trainer ranks and R rollout ranks::
+Topology, T trainer ranks and R rollout ranks: one tree per trainer rank over all R rollout
+ranks, its shape picked by :mod:`weightbus.topology` from the ranks' link rates (a chain
+when they are equal or unknown)::
 
-    chain i (one per trainer rank):  trainer i -> rollout i%R -> rollout (i+1)%R -> ... (R hops)
+    chain i:   trainer i -> rollout i%R -> rollout (i+1)%R -> ...           (R hops)
+    tree i:    trainer i -> f0 heads, each forwarding to f1 children ...   (fewer hops)
+    direct:    trainer i -> every rollout                                   (no forwarding)
 
-Bucket b travels down chain b mod T (its owner's). Every trainer rank's link carries its own
-share of the model once, whatever R is; each rollout forwards bucket b to the next one in
-the chain while it unpacks it, so another receiver adds one hop of latency, not a model's
-worth of time. Chains start at different rollouts, so the forwarding work is spread.
+Bucket b travels down tree b mod T (its owner's). Every trainer rank's link carries its own
+share of the model once per head, whatever R is; each rollout forwards bucket b to its
+children while it unpacks it, so another receiver adds one hop of latency at most, not a
+model's worth of time. Trees start at different rollouts, so the forwarding work is spread.
 
 Every rank registers a ring of S = ``num_buffers`` slots; bucket b lands in slot b mod S on
 every rollout. The writer of a slot must hold a *credit* for it: a rollout that is done with
 bucket b-S (unpacked, and forwarded) sends "credit b" to whoever writes bucket b into it (its
-upstream in chain b mod T); the first S credits go out when an update starts. Data and
-credits are NIXL notifications tagged with the group's formation and the version, so nothing
-from a failed update is mistaken for the next one. Header and final status travel over the
-core's gloo control group, like every engine's, so a failure anywhere fails the update on
-every rank, and every wait has the engine's deadline.
+upstream in tree b mod T); the first S credits go out when an update starts. Data and
+credits are NIXL notifications tagged with the group's formation and the version (and
+known by their sender), so nothing from a failed update is mistaken for the next one.
+Header and final status travel over the core's gloo control group, like every engine's, so
+a failure anywhere fails the update on every rank, and every wait has the engine's deadline.
 
 NIXL (``pip install 'weightbus[nixl]'``) does the moving: we only decide who writes which
 slot when, which no NIXL API covers.
@@ -32,7 +36,8 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, comm
+from weightbus import buffers, comm, config
+from weightbus import topology as topology_mod
 from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan
@@ -60,11 +65,26 @@ def _nixl_api() -> Any:
 
 @CheckpointEngineRegistry.register("nixl")
 class NixlEngine(BucketEngine):
-    """Chain engine over NIXL one-sided writes (see the module doc)."""
+    """Chains (or trees) of NIXL one-sided writes (see the module doc).
 
-    def __init__(self, bucket_size: int | None = None, **kwargs: Any):
+    Args (besides the common ones):
+        topology: ``auto`` (default: from the ranks' ``link_gbps``; a chain when they are
+            equal or not given), ``chain``, ``tree`` (binary) or ``direct`` (each trainer
+            rank writes to every rollout rank). Every rank gives the same.
+        link_gbps: this rank's link rate (GB/s), for ``auto``.
+    """
+
+    def __init__(self, bucket_size: int | None = None, *, topology: str = "auto",
+                 link_gbps: float | None = None, **kwargs: Any):
         self._api = _nixl_api()  # fails here, naming the extra, not at the first update
         super().__init__(bucket_size, **kwargs)
+        topology_mod.choose(1, 1, kind=topology)  # checked here, where it is given
+        self.topology = topology
+        self.link_gbps = None if link_gbps is None else \
+            config.positive_seconds(link_gbps, "link_gbps", "GB/s")
+        self.fanout: topology_mod.Fanout | None = None  # what the group agreed on
+        self._routes: dict[int, tuple[int | None, list[int]]] = {}  # tree -> (upstream, downstream)
+        self._rank_of: dict[str, int] = {}  # peer agent name -> its rank
         self._agent: Any = None
         self._agent_name = ""
         self._reg: Any = None
@@ -74,7 +94,7 @@ class NixlEngine(BucketEngine):
         self._formed = 0
         self._formed_token = ""
         self._peers: dict[int, tuple[str, list[tuple[int, int, int]]]] = {}  # rank -> (agent, slots)
-        self._inbox: set[tuple[str, int]] = set()  # ("d" | "c", bucket) of the current update
+        self._inbox: set[tuple[str, int, int]] = set()  # ("d" | "c", bucket, from rank): this update
         self._tag = ""  # formation/version of the current update
         self._writes: dict[Any, Any] = {}  # key -> (handle, peer, bucket, state) not yet waited on
         self.T = self.R = 1
@@ -92,7 +112,8 @@ class NixlEngine(BucketEngine):
         meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
                                 **self.buffer_metadata(), "agent": self._agent_name,
                                 "nixl": self._agent.get_agent_metadata(),
-                                "slots": [self._desc(s) for s in self._slots]}
+                                "slots": [self._desc(s) for s in self._slots],
+                                "topology": self.topology, "link_gbps": self.link_gbps}
         if self.role != "rollout":
             if self._store_server is None:
                 self._store_server = comm.serve_store(self.timeout)
@@ -129,27 +150,47 @@ class NixlEngine(BucketEngine):
         check_sides(T, R, metadata)
         if "port" not in metadata[0]:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
+        kinds = {m.get("topology", "auto") for m in metadata}
+        if len(kinds) > 1:
+            raise PlanError(f"the ranks disagree on topology: {sorted(kinds)}; give every rank the same")
+        rates = [m.get("link_gbps") for m in metadata]
+        fan = topology_mod.choose(T, R, kind=kinds.pop(),
+                                  sender_gbps=None if None in rates[:T] else min(rates[:T]),
+                                  receiver_gbps=None if None in rates[T:] else min(rates[T:]))
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
-                  "bucket_size": agree_buffers(T, metadata)}
-        ranks = list(range(T + R))
+                  "bucket_size": agree_buffers(T, metadata), "fanout": (fan.sender, fan.relay)}
+        routes: dict[int, dict[int, tuple[int | None, list[int]]]] = {r: {} for r in range(T + R)}
+        for c in range(T):  # tree c carries trainer c's buckets
+            heads, children = topology_mod.layout(c, R, fan)
+            parent = topology_mod.parent_of(c, R, fan)
+            routes[c][c] = (None, [T + h for h in heads])
+            for x in range(R):
+                up = parent[x]
+                routes[T + x][c] = (c if up is None else T + up, [T + y for y in children[x]])
 
         def peers(rank: int) -> dict[int, tuple[str, bytes, list]]:
-            # a rank talks to its neighbours in every chain only
-            near = {p for c in range(T) for p in _neighbours(rank, c, T, R) if p is not None}
+            # a rank talks to its neighbours in every tree only
+            near = {p for up, down in routes[rank].values() for p in [up, *down] if p is not None}
             return {p: (metadata[p]["agent"], metadata[p]["nixl"], metadata[p]["slots"]) for p in near}
 
         def side(rs: list[int]) -> dict[str, list]:
-            per_rank = {"rank": rs, "peers": [peers(r) for r in rs]}
+            per_rank = {"rank": rs, "peers": [peers(r) for r in rs], "routes": [routes[r] for r in rs]}
             return {k: [v] * len(rs) for k, v in common.items()} | per_rank
+        ranks = list(range(T + R))
         return side(ranks[:T]), side(ranks[T:])
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
                            master_addr: str, master_port: int, token: str, peers: dict[int, Any],
-                           bucket_size: int | None = None) -> None:
+                           routes: dict[int, tuple[int | None, list[int]]],
+                           fanout: tuple[int, int] = (1, 1), bucket_size: int | None = None) -> None:
+        """``routes``: for every trainer rank's tree, this rank's (upstream, downstream
+        ranks); ``fanout``: the tree's shape the group agreed on."""
         T, R = trainer_world_size, rollout_world_size
         self._take_place(rank, T, R, bucket_size)
         self._drop_group()
+        self.fanout = topology_mod.Fanout(*fanout)
+        self._routes = {int(c): (up, list(down)) for c, (up, down) in routes.items()}
         if token != self._formed_token:
             self._formed_token, self._formed = token, 0
         self._formed += 1
@@ -162,6 +203,7 @@ class NixlEngine(BucketEngine):
                 raise WeightSyncError(f"{self.where()}: forming the group: cannot connect to "
                                       f"{self._who_in(p, T)}'s NIXL agent {name!r}: {e}") from e
             self._peers[p] = (name, [tuple(s) for s in slots])
+            self._rank_of[name] = p
         self._store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
         self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
                                    None, self.where())
@@ -180,7 +222,7 @@ class NixlEngine(BucketEngine):
                 self._agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 - gone already
                 pass
-        self._peers = {}
+        self._peers, self._rank_of = {}, {}
         if self._ctl is not None and self._broken:
             try:
                 self._ctl.abort()
@@ -222,13 +264,13 @@ class NixlEngine(BucketEngine):
             notes = self._agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001
             raise self._fail("reading notifications", e) from e
-        for msgs in notes.values():
+        for agent, msgs in notes.items():
             for m in msgs:
                 kind, _, rest = m.decode(errors="replace").partition(":")
                 if kind == "a" and rest.startswith(self._group_tag + "/"):
                     self._abort_reason = self._abort_reason or rest[len(self._group_tag) + 1:]
                 elif rest.startswith(prefix):  # anything else is from an update that failed
-                    self._inbox.add((kind, int(rest[len(prefix):])))
+                    self._inbox.add((kind, int(rest[len(prefix):]), self._rank_of.get(agent, -1)))
 
     def _fail(self, phase: str, e: BaseException) -> Any:
         """A failure here is also told to every neighbour at once (a chain has no collective
@@ -246,10 +288,11 @@ class NixlEngine(BucketEngine):
 
     def _await(self, kind: str, b: int, peer: int, phase: str) -> None:
         deadline = time.monotonic() + self.timeout
-        while (kind, b) not in self._inbox:
+        key = (kind, b, peer)
+        while key not in self._inbox:
             self._progress()
             self._poll()
-            if (kind, b) in self._inbox:
+            if key in self._inbox:
                 break
             if self._abort_reason:
                 raise self._fail(phase, RuntimeError(f"a peer aborted: {self._abort_reason}"))
@@ -258,7 +301,7 @@ class NixlEngine(BucketEngine):
                     f"no {'data' if kind == 'd' else 'credit'} for bucket {b} from "
                     f"{self._who(peer)} within {self.timeout:.0f}s"))
             time.sleep(_SPIN)
-        self._inbox.discard((kind, b))
+        self._inbox.discard(key)
 
     def _progress(self) -> None:
         """Drive our writes in flight: UCX moves a write (and delivers its notification)
@@ -315,8 +358,8 @@ class NixlEngine(BucketEngine):
         self._writes[key] = (handle, peer, b.index, state)
 
     def _wait_writes(self, key: Any) -> None:
-        """Until the write under ``key`` (None: every write) has landed."""
-        keys = list(self._writes) if key is None else ([key] if key in self._writes else [])
+        """Until the writes whose keys start with ``key`` (None: every write) have landed."""
+        keys = list(self._writes) if key is None else [k for k in self._writes if k[:len(key)] == key]
         for k in keys:
             deadline = time.monotonic() + self.timeout
             while k in self._writes and self._writes[k][3] == "PROC":
@@ -356,25 +399,25 @@ class NixlEngine(BucketEngine):
     def _send(self, b: Bucket, slot: torch.Tensor) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # packed before NIXL reads it
-        head = self.T + _chain(b.owner, self.R)[0]
-        self._await("c", b.index, head, f"send bucket {b.index}: waiting for a free slot")
-        self._write(("out", (b.index // self.T) % self.num_buffers), slot, head, b)
+        for head in self._routes[b.owner][1]:
+            self._await("c", b.index, head, f"send bucket {b.index} to {self._who(head)}: waiting for "
+                                            f"a free slot")
+            self._write(("out", (b.index // self.T) % self.num_buffers, head), slot, head, b)
 
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_writes(None)
 
     def _post_recv(self, b: Bucket) -> None:
         # slot b mod S is free here: whoever writes bucket b into it may go ahead
-        up, _ = _neighbours(self.rank, b.owner, self.T, self.R)
-        self._notify(up, "c", b.index)  # type: ignore[arg-type]
+        self._notify(self._routes[b.owner][0], "c", b.index)  # type: ignore[arg-type]
 
     def _wait_recv(self, b: Bucket) -> torch.Tensor:
-        up, down = _neighbours(self.rank, b.owner, self.T, self.R)
+        up, down = self._routes[b.owner]
         self._await("d", b.index, up, f"receive bucket {b.index} from {self._who(up)}")  # type: ignore[arg-type]
         slot = self._slots[b.index % self.num_buffers]
-        if down is not None:  # pass it on while we unpack it
-            self._await("c", b.index, down, f"forward bucket {b.index} to {self._who(down)}")
-            self._write(("fwd", b.index), slot, down, b)
+        for nxt in down:  # pass it on while we unpack it
+            self._await("c", b.index, nxt, f"forward bucket {b.index} to {self._who(nxt)}")
+            self._write(("fwd", b.index, nxt), slot, nxt, b)
         return slot
 
     def _release(self, b: Bucket) -> None:
@@ -384,20 +427,3 @@ class NixlEngine(BucketEngine):
 
     def _flush_recv(self, plan: BucketPlan) -> None:
         self._wait_writes(None)
-
-
-def _chain(c: int, R: int) -> list[int]:
-    """Rollout ranks (0-based among rollouts) of chain ``c``, in order."""
-    return [(c + k) % R for k in range(R)]
-
-
-def _neighbours(rank: int, c: int, T: int, R: int) -> tuple[int | None, int | None]:
-    """(upstream, downstream) global ranks of ``rank`` in chain ``c``; None where there is
-    none (a trainer has no upstream; the tail has no downstream; a trainer not owning chain
-    ``c`` has neither)."""
-    order = [c] + [T + x for x in _chain(c, R)]
-    if rank not in order:
-        return None, None
-    k = order.index(rank)
-    return (order[k - 1] if k > 0 else None), (order[k + 1] if k + 1 < len(order) else None)
-
