@@ -111,3 +111,22 @@ class SourceRaises(Trainer):
         if self.sending == self.at:
             raise KeyError("optimizer state missing (injected)")
         return super().weights_source()
+
+
+class SelfRegistering(Rollout):
+    """A rollout rank that joins the managers watching ``registry`` by itself (Ray)."""
+
+    def __init__(self, rank, world, replica, registry, dies_at=None):
+        super().__init__(rank, world)
+        from weightbus.runtime.ray import register_self
+        self.replica, self.registry, self.dies_at = replica, registry, dies_at
+        register_self(replica, rank, world, registry=registry)
+
+    async def wb_receive(self, version):
+        if version == self.dies_at:
+            os._exit(9)
+        return await super().wb_receive(version)
+
+    def leave(self):
+        from weightbus.runtime.ray import unregister_self
+        unregister_self(self.replica, self.registry)

@@ -18,6 +18,13 @@ from weightbus.comm import free_port  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+    ELASTIC = ["mooncake"]
+except ImportError:
+    ELASTIC = []
+
+
 
 def test_hybrid_mode_local():
     rows = modes.hybrid(steps=2)
@@ -65,6 +72,55 @@ def test_fully_async_on_ray(ray_cluster):
     assert out["samples"] > 0
 
 
+@pytest.mark.parametrize("backend", ELASTIC or ["gloo"])  # the same manager code either way
+def test_replicas_register_themselves_on_ray(ray_cluster, backend):
+    """Nobody hands the manager its replicas: each rank registers itself (from its own
+    constructor); the manager takes complete replicas in at its next update, drops one that
+    unregisters and one that dies mid-update, and updates the rest bitwise."""
+    from mgr_workers import SelfRegistering
+
+    from weightbus.runtime.ray import RayWorkerGroup, drop_registry
+    reg = f"test-{backend}-{os.getpid()}"
+    trainer = RayWorkerGroup(Trainer, 1, None, name="trainer")
+    mgr = CheckpointEngineManager(backend, trainer, registry=reg, timeout=20, bucket_size=1 << 16)
+    started = []
+
+    def start(name, size, dies_at=None):  # started elsewhere: the manager never sees this handle
+        started.append(RayWorkerGroup(SelfRegistering, size, name, reg, dies_at, name=f"{name}-launcher"))
+        return started[-1]
+
+    def same(group):
+        want = call(trainer, "weights_digest", timeout=20)
+        return call(group, "weights_digest", timeout=20) == want * group.size
+
+    try:
+        with pytest.raises(WeightbusError, match=f"none is registered in '{reg}'"):
+            mgr.update_weights(version=1)
+        a = start("a", 1)
+        assert mgr.update_weights(version=1).replicas == ["a"] and same(a)
+        b = start("b", 2)
+        call(trainer, "train_step", 2, timeout=20)
+        rep = mgr.update_weights(version=2)
+        assert rep.replicas == ["a", "b"] and same(a) and same(b)
+        if backend in ELASTIC:
+            assert rep.linked == ["b"]
+        call(a, "leave", timeout=20)
+        call(trainer, "train_step", 3, timeout=20)
+        assert mgr.update_weights(version=3).replicas == ["b"] and same(b)
+        start("doomed", 1, dies_at=4)
+        call(trainer, "train_step", 4, timeout=20)
+        with pytest.raises(WeightSyncError, match="replica 'doomed'"):
+            mgr.update_weights(version=4)
+        assert [r.name for r in mgr.replicas] == ["b"]  # it died: dropped, and unregistered
+        rep = mgr.update_weights(version=5)
+        assert rep.replicas == ["b"] and same(b) and mgr.versions() == {"b": 5}
+    finally:
+        mgr.shutdown()
+        for g in [trainer, *started]:
+            g.shutdown()
+        drop_registry(reg)
+
+
 def test_ray_replica_death_is_named(ray_cluster):
     from weightbus.runtime.ray import RayWorkerGroup
     trainer = RayWorkerGroup(Trainer, 1, None, name="trainer")
@@ -85,13 +141,6 @@ def test_ray_replica_death_is_named(ray_cluster):
     finally:
         for g in (trainer, good, bad):
             g.shutdown()
-
-
-try:
-    from mooncake.engine import TransferEngine  # noqa: F401
-    ELASTIC = ["mooncake"]
-except ImportError:
-    ELASTIC = []
 
 
 @pytest.mark.parametrize("backend", ["gloo", *ELASTIC])
@@ -190,7 +239,7 @@ def test_elastic_add_remove_and_failures_local(backend):
             g.shutdown(timeout=2)
 
 
-@pytest.mark.parametrize("backend", ["gloo", *ELASTIC])
+@pytest.mark.parametrize("backend", ELASTIC or ["gloo"])  # the join itself is backend-free
 def test_join_from_peer_without_trainer_or_pause_local(backend):
     """A late replica gets the current version from a member that holds it: the trainer is
     busy training throughout (it answers nothing), and the member keeps generating, never

@@ -60,12 +60,16 @@ class CheckpointEngineManager:
         pause_mode: passed to ``pause_generation`` (``abort``, ``keep`` or ``wait``).
         hybrid: call ``wake_up`` on replicas before each update (pair it with
             :meth:`sleep_replicas` before training).
+        registry: Ray only: the name of a registry that rollout replicas join by themselves
+            (:func:`weightbus.runtime.ray.register_self` on each rank); every update then
+            takes in the complete replicas registered there and drops those that left,
+            and a registered replica that dies in an update is dropped (and unregistered).
         engine_kwargs: more constructor arguments for every engine (``bucket_size``...).
     """
 
     def __init__(self, backend: str, trainer: WorkerGroup, replicas: Sequence[WorkerGroup] = (), *,
                  timeout: float | None = None, pause_mode: str = "abort", hybrid: bool = False,
-                 **engine_kwargs: Any):
+                 registry: str | None = None, **engine_kwargs: Any):
         self.engine_cls = CheckpointEngineRegistry.get(backend)  # unknown names fail here
         self.backend = backend
         self.trainer = trainer
@@ -85,6 +89,8 @@ class CheckpointEngineManager:
         self._served: list[dict[str, Any]] | None = None  # the trainer ranks' metadata
         self._linked: dict[str, str] = {}  # replica name -> its link id
         self._stale: set[str] = set()  # link ids the trainers must drop
+        self.registry = registry
+        self._registered: set[str] = set()  # names of the replicas that came from the registry
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -170,6 +176,32 @@ class CheckpointEngineManager:
         return {"peer": src.name, "version": self.version, "bytes": sum(x["bytes"] for x in results[0]),
                 "seconds": max(x["seconds"] for x in results[0])}
 
+    def _sync_registry(self) -> None:
+        """Registry mode: take in the replicas that registered, drop those that left."""
+        if self.registry is None:
+            return
+        from weightbus.runtime.ray import RayWorkerGroup, registered
+        current = registered(self.registry, self.timeout)
+        gone = [n for n in self._registered if n not in current]
+        self.remove_replicas([r for r in self.replicas if r.name in gone])
+        self._registered.difference_update(gone)
+        names = {r.name for r in self.replicas}
+        fresh = [RayWorkerGroup.from_actors(actors, name) for name, actors in current.items()
+                 if name not in names]
+        self.add_replicas(fresh)
+        self._registered.update(g.name for g in fresh)
+
+    def _forget_dead(self, dead: Sequence[WorkerGroup]) -> None:
+        """Registry mode: a registered replica that died leaves (and is unregistered)."""
+        if self.registry is None:
+            return
+        from weightbus.runtime.ray import unregister_self
+        for r in dead:
+            if r.name in self._registered:
+                unregister_self(r.name, self.registry, self.timeout)
+                self.remove_replicas([r])
+                self._registered.discard(r.name)
+
     def remove_replicas(self, replicas: Iterable[WorkerGroup | str]) -> None:
         """They get no further update; their processes may already be gone."""
         for r in replicas:
@@ -218,8 +250,10 @@ class CheckpointEngineManager:
         still alive is resumed (on the weights it holds) before this raises
         :class:`UpdateFailed`, which names the cause and says which replica holds which
         version (None: none, or a torn one)."""
+        self._sync_registry()
         if not self.replicas:
-            raise WeightbusError("no rollout replica to update")
+            raise WeightbusError("no rollout replica to update"
+                                 + (f" (none is registered in {self.registry!r})" if self.registry else ""))
         version = self.version + 1 if version is None else config.version(version)
         report = UpdateReport(version, replicas=[r.name for r in self.replicas])
         clock = time.perf_counter()
@@ -258,6 +292,7 @@ class CheckpointEngineManager:
             resumed = self._try_all(alive, "resume_generation")
             resumed.update({r.name: lost[id(r)] for r in self.replicas if id(r) in lost})
             held = self._versions(alive) | {r.name: None for r in self.replicas if id(r) in lost}
+            self._forget_dead([r for r in self.replicas if lost.get(id(r)) == "died"])
             ok = [n for n, err in resumed.items() if err is None]
             raise UpdateFailed(f"{e}. Resumed: {', '.join(ok) or 'none'}"
                                + "".join(f"; {n} not resumed ({err})" for n, err in resumed.items() if err)

@@ -1,5 +1,10 @@
 """Ray actors as a ``WorkerGroup`` (``pip install weightbus[ray]``), for jobs that span
-machines. Rank r is an actor running ``cls(r, size, *args, **kwargs)``."""
+machines. Rank r is an actor running ``cls(r, size, *args, **kwargs)``.
+
+Replicas may also register themselves: each rank of a rollout replica, wherever and by
+whomever it was started, calls :func:`register_self` (e.g. in its constructor); a manager
+made with ``registry=`` takes every complete replica in at its next update, drops those
+that :func:`unregister_self` or die, and never needs to be handed a replica list."""
 
 from __future__ import annotations
 
@@ -89,6 +94,13 @@ class RayWorkerGroup:
                 refs.append(getattr(actor, method).remote(*a, **k))
         return _RayPending(self, method, refs)
 
+    @classmethod
+    def from_actors(cls, actors: Sequence[Any], name: str) -> RayWorkerGroup:
+        """A group over actors started elsewhere (rank r = ``actors[r]``)."""
+        group = cls.__new__(cls)
+        group.name, group.actors = name, list(actors)
+        return group
+
     def kill(self, rank: int) -> None:
         ray.kill(self.actors[rank], no_restart=True)
 
@@ -98,3 +110,64 @@ class RayWorkerGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+# ------------------------------------------------------------------ self-registration
+
+#: Ray namespace of the registries, so replicas started by another driver find them
+NAMESPACE = "weightbus"
+
+
+class _Registry:
+    """Replicas that registered themselves, rank by rank: name -> (size, {rank: actor})."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, tuple[int, dict[int, Any]]] = {}
+
+    def register(self, name: str, rank: int, size: int, actor: Any) -> None:
+        known = self._replicas.setdefault(name, (size, {}))
+        if known[0] != size:
+            raise ValueError(f"replica {name!r} registered with {known[0]} ranks; rank {rank} says {size}")
+        if not 0 <= rank < size:
+            raise ValueError(f"replica {name!r}: rank {rank} is outside 0..{size - 1}")
+        known[1][rank] = actor
+
+    def unregister(self, name: str) -> None:
+        self._replicas.pop(name, None)
+
+    def complete(self) -> dict[str, list[Any]]:
+        return {n: [ranks[r] for r in range(size)] for n, (size, ranks) in self._replicas.items()
+                if len(ranks) == size}
+
+
+def _registry(name: str) -> Any:
+    """The registry actor ``name`` (made by whoever asks first; it lives until
+    :func:`drop_registry`, so it outlives the processes that registered)."""
+    ensure_ray()
+    return ray.remote(_Registry).options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                                         lifetime="detached", num_cpus=0).remote()
+
+
+def register_self(replica: str, rank: int, size: int, registry: str = "weightbus",
+                  timeout: float = 60.0) -> None:
+    """Called by each rank of a rollout replica (an actor) to join the managers that watch
+    ``registry``: once all ``size`` ranks have registered, the next update includes it."""
+    me = ray.get_runtime_context().current_actor
+    ray.get(_registry(registry).register.remote(replica, rank, size, me), timeout=timeout)
+
+
+def unregister_self(replica: str, registry: str = "weightbus", timeout: float = 60.0) -> None:
+    """The replica leaves: the next update does not include it (any rank may call it)."""
+    ray.get(_registry(registry).unregister.remote(replica), timeout=timeout)
+
+
+def registered(registry: str, timeout: float = 60.0) -> dict[str, list[Any]]:
+    """Every complete replica registered in ``registry``: name -> its actors by rank."""
+    return ray.get(_registry(registry).complete.remote(), timeout=timeout)
+
+
+def drop_registry(registry: str) -> None:
+    try:
+        ray.kill(ray.get_actor(registry, namespace=NAMESPACE), no_restart=True)
+    except ValueError:  # there is none
+        pass
