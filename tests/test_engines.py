@@ -162,3 +162,43 @@ def test_receive_into_destinations_in_place(port):
 
 def test_sharded_source_gathers_exactly(free_port):
     assert spawn(workers.sharded_source, 2, (free_port,), timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize("T,R,lr", [(1, 2, 1e-6), (1, 1, 1e-3), (2, 1, 1e-6)],
+                         ids=["1-2-lr1e-6", "1-1-lr1e-3-dense", "fsdp2-2-1-lr1e-6"])
+def test_delta_updates_bitwise(port, free_port, T, R, lr):
+    """Delta mode over gloo with real AdamW steps: after every update each rollout is
+    bitwise equal to the trainer; at lr 1e-6 a quarter of the dense bytes is plenty (the
+    changes go as positions or bitmaps + values), at 1e-3 most elements change and the
+    records go dense. FSDP2 trainers diff their own shards: no tensor is gathered. A failed
+    update, and a corrupted patch (caught by the digest, naming the tensor), are followed
+    by a full update, then deltas again."""
+    updates = 10 if lr == 1e-6 and T == 1 else 4
+    logs = spawn(workers.delta_updates, T + R, (T, R, port, free_port, lr, updates), timeout=240)
+    trainers, rollouts = logs[:T], logs[T:]
+    kinds = [e["kind"] for e in trainers[0]]
+    for k, kind in enumerate(kinds):
+        sent = sum(t[k].get("ok", 0) for t in trainers)  # every trainer rank sends its own share
+        dense = trainers[0][k]["dense"]
+        assert all(t[k]["gathers"] == 0 for t in trainers), (k, kind)  # no rank gathered a tensor
+        if kind in ("delta", "after_failure", "after_corrupt"):
+            assert all("ok" in t[k] for t in trainers), (k, trainers[0][k])
+            for r in rollouts:
+                assert r[k]["digest"] == trainers[0][k]["digest"], (k, kind)  # bitwise
+                failed = kinds[:k].count("corrupt") + kinds[:k].count("consumer_stops")
+                assert r[k]["version"] == k + 1 - failed
+            full = k == 0 or kind != "delta"
+            assert all(t[k]["full"] == full for t in trainers + rollouts), (k, kind)
+            if full:
+                assert dense <= sent <= dense * 1.05  # every element, each from the rank that holds it
+            elif lr == 1e-6:
+                assert sent < dense / 4, (k, sent, dense)
+            else:
+                assert sent <= dense * 1.05  # most elements changed: dense records
+        elif kind == "corrupt":
+            for r in rollouts:
+                assert "do not match the trainer's" in r[k]["error"] and "tensor '" in r[k]["error"]
+                assert r[k]["version"] is None  # it wrote part of the patch: no version claimed
+            assert all("error" in t[k] for t in trainers)
+        elif kind == "consumer_stops":
+            assert all("error" in t[k] for t in trainers)

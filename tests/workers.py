@@ -472,3 +472,130 @@ def safetensors_stream(rank: int, port: int, path: str):
         rdv.all_gather(None)  # read before the next rewrite
     engine.finalize(destroy_group=True)
     return out
+
+
+def _delta_model(fsdp_port: int | None, rank: int, T: int):
+    """The demo transformer with RL-like weights (std 0.02), FSDP2-sharded over the trainer
+    ranks when there are several."""
+    from weightbus.demo import TinyTransformer
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=256, dim=64, layers=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    if T > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=T)
+        for blk in model.blocks:
+            fully_shard(blk, mesh=init_device_mesh("cpu", (T,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (T,)))
+    return model
+
+
+def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: float, updates: int):
+    from torch.distributed.tensor import Replicate
+    """``updates`` updates in delta mode over gloo, with a real AdamW step at ``lr`` before
+    each: bitwise after every one; bytes on the wire next to the dense bytes. Then: a
+    consumer that stops (the update fails: the next goes full), a corrupted patch (caught,
+    naming the tensor), and a late joiner after re-forming (full for it, then delta)."""
+    torch.set_num_threads(1)
+    is_trainer = rank < T
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if is_trainer else "rollout", delta=True,
+                                          bucket_size=1 << 16, timeout=30)
+    connect(engine, rdv, T, R)
+    log: list[dict] = []
+    if is_trainer:
+        model = _delta_model(fsdp_port, rank, T)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        gathers = [0]
+        import weightbus.sources as src_mod
+        real_gather = src_mod._gather
+
+        def counting_gather(*a, **k):
+            gathers[0] += 1
+            return real_gather(*a, **k)
+        src_mod._gather = counting_gather
+        if T > 1:  # and every whole-tensor gather a DTensor does (none may happen in delta mode)
+            from torch.distributed.tensor import DTensor
+            real_full = DTensor.full_tensor
+
+            def counting_full(self, *a, **k):
+                gathers[0] += 1
+                return real_full(self, *a, **k)
+            DTensor.full_tensor = counting_full
+    else:
+        from weightbus.demo import TinyTransformer
+        model = TinyTransformer(vocab=256, dim=64, layers=2).to(torch.bfloat16)
+        engine.set_destinations(dict(model.state_dict()))
+
+    def step(k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        tokens = torch.randint(0, 256, (4, 16), generator=g)
+        loss = model(tokens[:, :-1]).float().logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def expected() -> str:
+        full = {n: (t.redistribute(placements=[Replicate()]).to_local() if hasattr(t, "full_tensor") else t)
+                for n, t in model.state_dict().items()}
+        return _state_digest({n: t.to(torch.bfloat16) if t.is_floating_point() else t
+                              for n, t in full.items()})
+
+    def one(kind: str, corrupt: bool = False) -> dict:
+        if is_trainer:
+            step(len(log) + 1)
+            want = expected()
+            before = gathers[0]
+            source = ModuleSource(model, dtype=torch.bfloat16)
+            if corrupt and rank == 0:
+                import weightbus.engines.delta as dm
+                orig = dm.encode
+
+                def bad(index, start, cur, snap, full):
+                    got = orig(index, start, cur, snap, full)
+                    if got is not None and not bad.done and got[0][0].view(torch.int64)[1].item() != dm.FULL:
+                        bad.done = True
+                        got[0][-1][:1] ^= 1  # flip a bit of the first value after its digest was taken
+                    return got
+                bad.done = False
+                dm.encode = bad
+            rdv.all_gather(None)
+            out = _outcome(lambda: _send(engine, source).wire_bytes)
+            if corrupt and rank == 0:
+                dm.encode = orig
+            out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
+                       full=engine.last_full)
+        else:
+            rdv.all_gather(None)
+            stop = 1 if kind == "consumer_stops" and rank == T else None
+            if stop:
+                out = _outcome(lambda: _receive(engine, stop_after=1))
+            else:
+                out = _outcome(lambda: asyncio.run(ModuleSink(model).load(engine.receive_weights())).loaded)
+            out.update(kind=kind, digest=_state_digest(model.state_dict()), version=engine.version,
+                       full=engine.last_full)
+        log.append(out)
+        return out
+
+    for _ in range(updates):
+        one("delta")
+    one("consumer_stops")
+    one("after_failure")
+    one("delta")
+    one("corrupt", corrupt=True)
+    one("after_corrupt")
+    one("delta")
+    engine.finalize(destroy_group=True)
+    return log
+
+
+def _state_digest(sd: dict) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for n, t in sd.items():
+        h.update(f"{n}={digest(t)};".encode())
+    return h.hexdigest()[:24]

@@ -7,6 +7,7 @@ casts while copying into the bucket, so the cast happens once, on the tensor's d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -106,6 +107,27 @@ class ModuleSource:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._items:
             yield name, t.full_tensor() if _is_dtensor(t) else _detached(t)
+
+    def local_pieces(self, rank: int, world: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """For delta updates: ``(tensor index, first element, flat piece)`` of every tensor
+        this trainer rank sends, with no communication where the rank holds it already:
+        its own dim-0 shard of an FSDP2 DTensor (the elements ``[offset, offset + len)`` of
+        the flattened full tensor), or its 1/``world`` of a tensor every rank holds whole.
+        Any other DTensor layout is gathered (collectively, on every rank) and split."""
+        with torch.no_grad():
+            for i, (_, t) in enumerate(self._items):
+                if _is_dtensor(t) and _gatherable(t):
+                    group = t.device_mesh.get_group()
+                    n, me = t.shape[0], dist.get_rank(group)
+                    rows = -(-n // dist.get_world_size(group)) if n else 0  # torch.chunk's split
+                    lo = min(n, me * rows)
+                    per_row = math.prod(t.shape[1:])
+                    yield i, lo * per_row, t.to_local().reshape(-1)
+                    continue
+                full = t.full_tensor() if _is_dtensor(t) else _detached(t)
+                flat = full.reshape(-1)
+                lo, hi = flat.numel() * rank // world, flat.numel() * (rank + 1) // world
+                yield i, lo, flat[lo:hi]
 
     def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int,
                  into: Callable[[int], torch.Tensor | None] | None = None

@@ -113,8 +113,11 @@ class WeightbusWorker(EngineHost):
         assert self._wb_engine is not None, "wb_setup first"
         engine = self._wb_engine
         start = time.perf_counter()
+        sink = self.weights_sink()
+        if getattr(engine, "delta", False) and engine._dest is None:
+            engine.set_destinations(sink.targets)  # delta mode patches in place
         try:
-            report = await self.weights_sink().load(engine.receive_weights())
+            report = await sink.load(engine.receive_weights())
         except BaseException:
             # untouched (the update failed before a byte was written): the old version
             # stands; otherwise this worker holds no whole version

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 
 from weightbus import buffers, comm, config
+from weightbus.engines import delta as delta_mode
 from weightbus.errors import PlanError, WeightbusError, WeightSyncError
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Bucket, BucketPlan, Manifest, TensorMeta
 
@@ -373,6 +374,8 @@ class _Stream:
         #: every tensor, in manifest order, where the source holds them all as plain
         #: tensors: the sender then packs with no per-tensor step at all
         self.tensors = tensors
+        #: the source object, where there is one (delta mode asks it for local pieces)
+        self.source: Any = None
 
     def checked_tensors(self, checked_before: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """:attr:`tensors`, once checked against the manifest in bulk (a mismatch names the
@@ -416,7 +419,9 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> _Stream:
                     return weights.iter_for(owners, rank, into=into)
                 return weights.iter_for(owners, rank)
             plain = getattr(weights, "plain_tensors", None)
-            return _Stream(manifest, open_, False, plain() if plain is not None else None)
+            stream = _Stream(manifest, open_, False, plain() if plain is not None else None)
+            stream.source = weights
+            return stream
         return _Stream(manifest, lambda plan, owners, rank: iter(weights), False)
     if isinstance(weights, Mapping):
         raise PlanError(f"the weights are a {type(weights).__name__} of {len(weights)} entries; pass "
@@ -467,10 +472,28 @@ class StreamBroken(Exception):
 
 
 class BucketEngine(CheckpointEngine):
-    """The update protocol over buckets; subclasses supply the transport hooks below."""
+    """The update protocol over buckets; subclasses supply the transport hooks below.
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    ``delta=True`` sends each update as the changes since the version the receivers hold,
+    diffed on every trainer rank's own piece of each tensor (``weightbus.engines.delta``);
+    receivers then write in place (``set_destinations``)."""
+
+    #: whether ``delta=True`` works over this engine's transport (one control group)
+    supports_delta: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, delta: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        if not isinstance(delta, bool):
+            raise PlanError(f"delta must be True or False, got {delta!r}")
+        if delta and not self.supports_delta:
+            raise PlanError(f"delta=True is not supported by backend {type(self).__name__}: use gloo, nccl "
+                            f"or nixl (colocated copies are already at the bulk-copy floor)")
+        self.delta = delta
+        self._snapshots = delta_mode.Snapshots()  # trainer: what it sent last (delta mode)
+        self._chain = delta_mode.Chain()  # receiver: what it applied since its last full update
+        self._delta_pending: Any = None
+        #: delta mode: whether the last update went full (every element) rather than as changes
+        self.last_full: bool | None = None
         self._ctl: Any = None  # gloo control group (header, final status)
         self._ctl_rank = -1
         self._broken: str | None = None  # why the group cannot be used any more
@@ -623,6 +646,49 @@ class BucketEngine(CheckpointEngine):
         self._ctl_wait(comm.allreduce_max(self._ctl, flags), "finish")
         self._finish_agreed(version, error, flags)
 
+    def _finish_settled(self, version: int, error: str | None) -> None:
+        """``_finish``, then (delta mode) record what this rank holds from now on."""
+        if not self.delta:
+            return self._finish(version, error)
+        try:
+            self._finish(version, error)
+        except BaseException:
+            delta_mode.settle(self, False)
+            raise
+        delta_mode.settle(self, True)
+
+    def _receive_delta(self, start: float, version: int, manifest: Manifest, error: str | None,
+                       on_complete: Completion | None, batched: bool) -> Iterator[Any]:
+        """Delta mode, receiver: patches land in the destinations; the consumer then sees
+        every destination tensor once (in place: nothing to copy)."""
+        error, wire, n = delta_mode.receive(self, version, manifest, error)
+        closed = False
+        if error is None:
+            items = [(m.name, self._dest[m.name]) for m in manifest.metas]  # type: ignore[index]
+            try:
+                if batched:
+                    yield items
+                else:
+                    yield from items
+            except GeneratorExit:
+                closed = True
+                error = f"{self.where()}: the consumer stopped reading; the update is incomplete"
+        if on_complete is not None and error is None:
+            try:
+                on_complete()
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{self.where()}: version {version} failed its check after loading: {e}"
+        try:
+            self._finish_settled(version, error)
+        except WeightSyncError:
+            if closed:
+                return
+            raise
+        self.version = version
+        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
+                                      time.perf_counter() - start, n)
+        self._log_update(self.last_stats)
+
     def _outcome(self, error: str | None) -> torch.Tensor:
         """This rank's say in the outcome (max-reduced: failed?, first failing rank)."""
         return torch.tensor([1 if error else 0, -self._ctl_rank if error else -(1 << 30)], dtype=torch.int64)
@@ -674,7 +740,7 @@ class BucketEngine(CheckpointEngine):
         await asyncio.sleep(0)
         if error and stream is not None and stream.strict_dtype:
             self._stream_manifest = None  # relearn a plain stream's manifest next time
-        self._finish(version, error)
+        self._finish_settled(version, error)
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
                                       time.perf_counter() - start, buckets)
@@ -689,6 +755,8 @@ class BucketEngine(CheckpointEngine):
                   error: str | None) -> tuple[str | None, int, int]:
         """Move the bytes of one update (through buckets, unless a subclass has a better
         way); returns (error, bytes moved, buckets). ``stream`` is None after an error."""
+        if self.delta:
+            return delta_mode.send(self, manifest, stream, version, error)
         plan = self._plan(manifest)
         error, wire = self._send_buckets(plan, stream, version, error)
         return error, wire, len(plan)
@@ -851,6 +919,9 @@ class BucketEngine(CheckpointEngine):
                         on_complete: Completion | None, batched: bool = False) -> Iterator[Any]:
         """Yields ``(name, tensor)``, or with ``batched`` one list of them per bucket."""
         start, version, manifest, error = self._open_receive(expected, validate)
+        if self.delta:
+            yield from self._receive_delta(start, version, manifest, error, on_complete, batched)
+            return
         plan = self._plan(manifest)
         closed = False
         assembler = self._assembler(plan)

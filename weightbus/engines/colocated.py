@@ -61,6 +61,8 @@ _DIRECT_GROUP_BYTES = 256 << 20
 class ColocatedEngine(BucketEngine):
     """Same-device engine: pass-through in one process, shared buckets across processes."""
 
+    supports_delta = False  # same device: a bulk copy is the floor
+
     def __init__(self, bucket_size: int | None = None, **kwargs: Any):
         super().__init__(bucket_size, **kwargs)
         self._local = True

@@ -96,6 +96,8 @@ class MooncakeEngine(BucketEngine):
         device_name: RDMA device(s) for ``rdma`` (e.g. ``mlx5_0``); empty for ``tcp``.
     """
 
+    supports_delta = False  # a control group per replica: not one to agree over
+
     #: replicas join and leave without re-forming the others (the manager links them one by one)
     elastic = True
 
