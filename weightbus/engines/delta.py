@@ -114,9 +114,11 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
         if dense <= min(sparse, bitmap):
             kind, body = DENSE, [_padded(cur.view(torch.uint8))]
         elif sparse <= bitmap:
-            kind, body = SPARSE, [_padded(idx.to(torch.int32).view(torch.uint8)), _padded(vals.view(torch.uint8))]
+            kind, body = SPARSE, [_padded(idx.to(torch.int32).view(torch.uint8))]
         else:
-            kind, body = BITMAP, [_padded(_pack_bits(new != old)), _padded(vals.view(torch.uint8))]
+            kind, body = BITMAP, [_padded(_pack_bits(new != old))]
+        if kind != DENSE:
+            body.append(_padded(vals.view(torch.uint8)))
         snap[idx] = vals
     head = torch.tensor([index, kind, start, n, k, digest], dtype=torch.int64, device=cur.device)
     parts = [head.view(torch.uint8), *body]
