@@ -67,6 +67,9 @@ class BenchConfig:
     backend: str | None = None
     receivers: int = 1
     topology: str | None = None  # nixl: chain, tree, direct or auto (its default)
+    #: disaggregated: also time a delta-mode update after the dense one, each round changing
+    #: this fraction of the trainer's elements (one bf16 step each), and report both
+    delta: float | None = None
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -76,6 +79,13 @@ class BenchConfig:
             raise ValueError(f"backend must be one of {', '.join(DISAGG_BACKENDS)}, got {self.backend!r}")
         if self.backend is not None and self.scenario != "disaggregated":
             raise ValueError("backend= applies to the disaggregated scenario only")
+        if self.delta is not None and not (isinstance(self.delta, float) and 0 < self.delta <= 1):
+            raise ValueError(f"delta must be a fraction of elements in (0, 1], got {self.delta!r}")
+        if self.delta is not None and self.scenario != "disaggregated":
+            raise ValueError("delta= applies to the disaggregated scenario (the colocated engine's floor "
+                             "is a bulk copy on the same device: there is no link to spare)")
+        if self.delta is not None and self.engine == "mooncake":
+            raise ValueError("delta= needs an engine with delta mode: gloo, nccl or nixl")
         if self.topology is not None and self.engine != "nixl":
             raise ValueError("topology= applies to the nixl backend only")
         if not isinstance(self.receivers, int) or self.receivers < 1:
@@ -151,6 +161,21 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
+def _mutate_fraction(weights: dict[str, torch.Tensor], fraction: float, step: int) -> None:
+    """Change about ``fraction`` of every tensor's elements by one bf16 step (what an
+    optimizer step at RL learning rates does to a few percent of the weights)."""
+    with torch.no_grad():
+        for i, t in enumerate(weights.values()):
+            flat = t.view(-1)
+            k = max(1, round(flat.numel() * fraction))
+            g = torch.Generator(device=t.device).manual_seed(step * 100003 + i)
+            idx = torch.randint(0, flat.numel(), (k,), device=t.device, generator=g)
+            if t.dtype == torch.float32:  # one step of its bf16 rounding
+                flat.view(torch.int32)[idx] += 1 << 16
+            else:
+                flat.view(torch.int16)[idx] += 1
+
+
 def _mutate(weights: dict[str, torch.Tensor]) -> None:
     """Change every tensor's bits between iterations (a sign flip: exact, cheap)."""
     with torch.no_grad():
@@ -210,13 +235,15 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
 
 
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
-             floor: Any, weightbus: Any, naive: Any = None) -> tuple[dict[str, list[float]], int]:
+             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None
+             ) -> tuple[dict[str, list[float]], int]:
     """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
     rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
     transient device memory of the weightbus calls at their peak."""
     if naive is not None and len(cfg.shapes()) > NAIVE_MAX_TENSORS:
         naive = None  # a collective per tensor would take minutes per round
-    times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {})
+    times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {}) \
+        | ({"delta": []} if delta is not None else {})
     peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
         mutate()
@@ -225,6 +252,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
             got["naive"] = _timed(rdv, device, naive)
         got["weightbus"], peak_now = _timed_peak(rdv, device, weightbus)
         peak = max(peak, peak_now)
+        if delta is not None:
+            got["delta"] = _timed(rdv, device, delta)
         if it:
             for k, v in got.items():
                 times[k].append(v)
@@ -347,6 +376,18 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         floor = lambda: raw_broadcast(engine, plan, floor_slots)  # noqa: E731
 
     weightbus = _update_fn(engine, source, weights)
+    delta_fn, delta_engine, delta_weights = None, None, None
+    if cfg.delta is not None:  # a second engine in delta mode, into its own copy on rollouts
+        delta_engine = CheckpointEngineRegistry.new(
+            cfg.engine, device=device, timeout=cfg.timeout, delta=True,
+            role="trainer" if trainer else "rollout",
+            bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None,
+            **({"topology": cfg.topology} if cfg.topology else {}))
+        if not trainer:
+            delta_weights = {n: t.clone() for n, t in weights.items()}
+            delta_engine.set_destinations(delta_weights)
+        connect(delta_engine, rdv, 1, cfg.receivers)
+        delta_fn = _update_fn(delta_engine, source, delta_weights)
 
     def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
@@ -358,11 +399,27 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         for w in works:
             w.wait()
 
-    times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
-                           floor, weightbus, naive if group is not None else None)
+    rounds = iter(range(1 << 30))
+    if cfg.delta is not None:
+        def mutate() -> None:
+            if trainer:
+                _mutate_fraction(weights, cfg.delta, next(rounds))  # type: ignore[arg-type]
+    else:
+        def mutate() -> None:
+            if trainer:
+                _mutate(weights)
+    times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
+                           delta_fn)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
+    if delta_engine is not None:
+        if delta_weights is not None and _checksums(delta_weights) != check:
+            result["checksums"] = {"delta mode": "MISMATCH"}
+        stats = delta_engine.last_stats
+        result.update(delta_wire=stats.wire_bytes if stats else 0, dense_wire=plan.wire_bytes,
+                      delta_full=delta_engine.last_full)
+        delta_engine.finalize(destroy_group=True)
     engine.finalize(destroy_group=True)
     return result
 
@@ -519,6 +576,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "peak_extra_rollout": max(r["peak_extra"] for r in rollouts),
         "verified": verified, "all_times": trainer["times"],
     }
+    if cfg.delta is not None:
+        row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
+                   delta_vs_dense=med["delta"] / med["weightbus"], delta_vs_floor=med["delta"] / med["floor"],
+                   delta_wire_fraction=trainer["delta_wire"] / trainer["dense_wire"],
+                   delta_full=trainer["delta_full"])
     return row
 
 
@@ -542,6 +604,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{naive} {r['weightbus_s'] * 1e3:9.1f} {r['weightbus_gbps']:8.1f} {r['ratio']:5.2f}x "
             f"{nratio:>6} {r['peak_extra_trainer'] / 2**30:8.2f}G {r['peak_extra_rollout'] / 2**30:8.2f}G  "
             f"{'OK' if r['verified'] else 'MISMATCH'}")
+        if r.get("delta_s") is not None:
+            lines.append(f"{'  delta ' + format(r['delta_fraction'], '.1%') + ' changed':<33} wire "
+                         f"{r['delta_wire_fraction']:6.1%} of dense {r['delta_s'] * 1e3:9.1f} ms = "
+                         f"{r['delta_vs_dense']:.2f}x dense, {r['delta_vs_floor']:.2f}x floor"
+                         + (" (went full)" if r.get("delta_full") else ""))
     return "\n".join(lines)
 
 

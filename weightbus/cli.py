@@ -97,7 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
         configs = [BenchConfig(scenario=s, preset=p, iters=args.iters, bucket_mb=args.bucket_mb,
                                trainer_dtype=args.trainer_dtype, layers=args.layers, backend=e,
                                receivers=args.receivers,
-                               topology=args.topology if e == "nixl" else None)
+                               topology=args.topology if e == "nixl" else None,
+                               delta=args.delta if s == "disaggregated" else None)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         print(f"weightbus bench: {e}", file=sys.stderr)
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout ranks of the disaggregated scenario (CPU: processes of this host)")
     b.add_argument("--topology", choices=["auto", "chain", "tree", "direct"],
                    help="the nixl engine's forwarding tree (default auto: a chain on equal links)")
+    b.add_argument("--delta", type=float, metavar="FRACTION",
+                   help="disaggregated: each round change this fraction of the trainer's elements "
+                        "(one bf16 step each) and time a delta-mode update next to the dense one")
     b.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default: sized from free memory)")
     b.add_argument("--json", help="write the rows as JSON to this file")

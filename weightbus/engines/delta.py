@@ -62,9 +62,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(pos: torch.Tensor, delta: torch.Tensor) -> int:
-    """sum(w(pos) * delta) in wrapping int64: w depends on the position, so a value written
-    to the wrong place shows."""
-    return int(((pos % 65521 + 1) * delta).sum().item())
+    """sum(w(pos) * delta) in wrapping int64, w(pos) = pos * 2654435761 + 1 (a multiply, not
+    a modulo: cheap): w depends on the position, so a value written to the wrong place shows."""
+    return int(((pos * 2654435761 + 1) * delta).sum().item())
+
+
+def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Positions where two integer views differ. Compared 8 bytes at a time first (a bf16
+    tensor: 4 elements per compare), then element by element only inside the words that
+    differ: at a few percent of changed elements, ~3x less work than comparing elements."""
+    per = 8 // new.element_size()
+    n = new.numel()
+    m = n // per * per
+    if per > 1 and m:
+        try:
+            wn, wo = new[:m].view(torch.int64), old[:m].view(torch.int64)
+        except RuntimeError:  # not 8-byte aligned: element by element
+            return (new != old).nonzero().squeeze(1)
+        words = (wn != wo).nonzero().squeeze(1)
+        # which lanes of a changed word differ (index_select: CPU fancy indexing is ~2x slower)
+        x = torch.index_select(wn, 0, words) ^ torch.index_select(wo, 0, words)
+        bits, shift = 8 * new.element_size(), per.bit_length() - 1
+        lanes = torch.stack([((x >> (bits * j)) & ((1 << bits) - 1)) != 0 for j in range(per)], 1)
+        hit = lanes.view(-1).nonzero().squeeze(1)
+        idx = (torch.index_select(words, 0, hit >> shift) << shift) | (hit & (per - 1))
+        if m < n:
+            idx = torch.cat([idx, m + (new[m:] != old[m:]).nonzero().squeeze(1)])
+        return idx
+    return (new != old).nonzero().squeeze(1)
 
 
 def _weighted_range(start: int, delta: torch.Tensor) -> int:
@@ -104,22 +129,24 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
             snap.copy_(cur)
     else:
         new, old = _bits(cur), _bits(snap)
-        idx = (new != old).nonzero().squeeze(1)
+        idx = _changed(new, old)
         k = idx.numel()
         if k == 0:
             return None
-        vals = cur[idx]
-        digest = _weighted(idx + start, _bits(vals).long() - old[idx].long())
+        vals = torch.index_select(cur, 0, idx)
+        digest = _weighted(idx + start, _bits(vals).long() - torch.index_select(old, 0, idx).long())
         sparse, bitmap, dense = _pad(4 * k) + e * k, _pad((n + 7) // 8) + e * k, e * n
         if dense <= min(sparse, bitmap):
             kind, body = DENSE, [_padded(cur.view(torch.uint8))]
         elif sparse <= bitmap:
             kind, body = SPARSE, [_padded(idx.to(torch.int32).view(torch.uint8))]
         else:
-            kind, body = BITMAP, [_padded(_pack_bits(new != old))]
+            mask = torch.zeros(n, dtype=torch.bool, device=cur.device)
+            mask[idx] = True
+            kind, body = BITMAP, [_padded(_pack_bits(mask))]
         if kind != DENSE:
             body.append(_padded(vals.view(torch.uint8)))
-        snap[idx] = vals
+        snap.index_copy_(0, idx, vals)
     head = torch.tensor([index, kind, start, n, k, digest], dtype=torch.int64, device=cur.device)
     parts = [head.view(torch.uint8), *body]
     return parts, sum(p.numel() for p in parts)
