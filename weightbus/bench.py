@@ -253,10 +253,11 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
         got["weightbus"], peak_now = _timed_peak(rdv, device, weightbus)
         peak = max(peak, peak_now)
         if delta is not None:
-            got["delta"] = _timed(rdv, device, delta)
+            got["delta"], delta_peak = _timed_peak(rdv, device, delta)
+            times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         if it:
             for k, v in got.items():
-                times[k].append(v)
+                times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
     return times, peak
 
 
@@ -417,8 +418,11 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         if delta_weights is not None and _checksums(delta_weights) != check:
             result["checksums"] = {"delta mode": "MISMATCH"}
         stats = delta_engine.last_stats
+        snaps = sum(t.numel() * t.element_size() for t in delta_engine._snapshots.pieces.values()
+                    if t.device.type == "cuda")  # type: ignore[attr-defined]
         result.update(delta_wire=stats.wire_bytes if stats else 0, dense_wire=plan.wire_bytes,
-                      delta_full=delta_engine.last_full)
+                      delta_full=delta_engine.last_full,
+                      delta_extra=int(times.pop("delta_peak", [0])[0]) + snaps + _engine_bytes(delta_engine))
         delta_engine.finalize(destroy_group=True)
     engine.finalize(destroy_group=True)
     return result
@@ -580,7 +584,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
                    delta_vs_dense=med["delta"] / med["weightbus"], delta_vs_floor=med["delta"] / med["floor"],
                    delta_wire_fraction=trainer["delta_wire"] / trainer["dense_wire"],
-                   delta_full=trainer["delta_full"])
+                   delta_full=trainer["delta_full"], delta_extra_trainer=trainer["delta_extra"])
     return row
 
 
@@ -607,7 +611,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if r.get("delta_s") is not None:
             lines.append(f"{'  delta ' + format(r['delta_fraction'], '.1%') + ' changed':<33} wire "
                          f"{r['delta_wire_fraction']:6.1%} of dense {r['delta_s'] * 1e3:9.1f} ms = "
-                         f"{r['delta_vs_dense']:.2f}x dense, {r['delta_vs_floor']:.2f}x floor"
+                         f"{r['delta_vs_dense']:.2f}x dense, {r['delta_vs_floor']:.2f}x floor, +mem trn "
+                         f"{r.get('delta_extra_trainer', 0) / 2**30:.2f}G"
                          + (" (went full)" if r.get("delta_full") else ""))
     return "\n".join(lines)
 
