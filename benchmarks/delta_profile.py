@@ -1,0 +1,80 @@
+"""Where a delta update's time goes, in one process (no transport): the trainer's diff and
+encoding of every piece, and a receiver applying the records, on a preset's shapes.
+
+    python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda]
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from weightbus import presets
+from weightbus.engines import delta as dm
+from weightbus.plan import Manifest, TensorMeta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="0.6b")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--fraction", type=float, default=0.02)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--capacity-mb", type=int, default=512)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    shapes = presets.shapes(args.preset, args.layers)
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = [torch.randn(s, dtype=torch.bfloat16, device=dev, generator=g) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, torch.bfloat16, s) for n, s in shapes)
+    dest = [w.clone().view(-1) for w in weights]
+    snaps = dm.Snapshots()
+    cap = args.capacity_mb << 20
+
+    def pieces():
+        for i, w in enumerate(weights):
+            yield i, 0, w.view(-1)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    list(dm.records(pieces(), manifest, snaps, True, cap))  # the full update: snapshots made
+    for rnd in range(2):
+        for w in weights:
+            flat = w.view(-1)
+            k = max(1, round(flat.numel() * args.fraction))
+            idx = torch.randint(0, flat.numel(), (k,), device=dev, generator=g)
+            flat.view(torch.int16)[idx] += 1
+        sync()
+        t0 = time.perf_counter()
+        prof = cProfile.Profile() if rnd else None
+        if prof:
+            prof.enable()
+        recs = list(dm.records(pieces(), manifest, snaps, False, cap))
+        sync()
+        t1 = time.perf_counter()
+        slot = torch.empty(sum(r[1] for r in recs), dtype=torch.uint8, device=dev)
+        off = 0
+        for parts, _ in recs:
+            for p in parts:
+                slot[off:off + p.numel()].copy_(p)
+                off += p.numel()
+        sync()
+        t2 = time.perf_counter()
+        dm._apply(slot, off, dest, manifest, False)
+        sync()
+        t3 = time.perf_counter()
+        if prof:
+            prof.disable()
+        ok = all(torch.equal(a.view(-1), b) for a, b in zip(weights, dest, strict=True))
+        print(f"round {rnd}: {len(recs)} records, {off / 2**20:.1f} MiB of "
+              f"{sum(w.numel() * 2 for w in weights) / 2**20:.1f}; encode {1e3 * (t1 - t0):.1f} ms, "
+              f"pack {1e3 * (t2 - t1):.1f} ms, apply {1e3 * (t3 - t2):.1f} ms; bitwise {ok}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
