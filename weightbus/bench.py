@@ -254,7 +254,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
         peak = max(peak, peak_now)
         if delta is not None:
             got["delta"], delta_peak = _timed_peak(rdv, device, delta)
-            times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
+            if it:  # (the warm-up round allocates the snapshots, counted apart)
+                times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         if it:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
