@@ -372,3 +372,26 @@ def test_nixl_topology_agreed_and_routed():
     assert trainer["routes"][0] == {0: (None, [1, 2, 3, 4])}  # the trainer writes to 4 heads
     assert rollout["routes"][0] == {0: (0, [5])} and rollout["routes"][4] == {0: (1, [])}
     assert set(rollout["peers"][0]) == {0, 5}  # a rank connects to its neighbours only
+
+
+@pytest.mark.parametrize("backend,kwargs,match", [
+    ("gloo", {"delta": "yes"}, "delta must be True or False"),
+    ("colocated", {"delta": True}, "delta=True is not supported by backend ColocatedEngine"),
+])
+def test_delta_option_checked_where_given(backend, kwargs, match):
+    with pytest.raises(WeightbusError, match=match):
+        CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
+def test_delta_not_on_mooncake():
+    with pytest.raises(WeightbusError, match="delta=True is not supported by backend MooncakeEngine"):
+        CheckpointEngineRegistry.new("mooncake", role="rollout", delta=True)
+
+
+def test_bench_delta_arguments_checked():
+    from weightbus.bench import BenchConfig
+    with pytest.raises(ValueError, match=r"delta must be a fraction of elements in \(0, 1\]"):
+        BenchConfig(delta=2.0, gpu=False)
+    with pytest.raises(ValueError, match="delta= applies to the disaggregated scenario"):
+        BenchConfig(scenario="colocated", delta=0.02, gpu=False)

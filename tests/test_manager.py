@@ -280,3 +280,39 @@ def test_join_from_peer_without_trainer_or_pause_local(backend):
     finally:
         for g in groups:
             g.shutdown(timeout=2)
+
+
+def test_delta_updates_through_the_manager_local():
+    """Delta mode under the manager (gloo): the first update goes full, the next ones as
+    changes (bitwise); a replica that missed an update and a late joiner make the next update
+    full, after which deltas resume."""
+    trainer = LocalWorkerGroup(Trainer, 1, None, name="trainer")
+    r0, r1 = LocalWorkerGroup(Rollout, 1, name="r0"), LocalWorkerGroup(Rollout, 2, name="r1")
+    groups = [trainer, r0, r1]
+    mgr = CheckpointEngineManager("gloo", trainer, [r0, r1], timeout=20, bucket_size=1 << 16, delta=True)
+
+    def update(v, replicas):
+        call(trainer, "train_step", v, timeout=20)
+        rep = mgr.update_weights(version=v)
+        want = call(trainer, "weights_digest", timeout=20)[0]
+        assert all(call(r, "weights_digest", timeout=20) == [want] * r.size for r in replicas)
+        return rep
+
+    try:
+        assert update(1, [r0, r1]).delta is False  # nothing held yet: full
+        rep = update(2, [r0, r1])
+        assert rep.delta is True and rep.wire_bytes < rep.bytes  # as changes, fewer bytes
+        mgr.remove_replicas([r1])
+        assert update(3, [r0]).delta is True  # r1 misses version 3
+        mgr.add_replicas([r1])
+        assert update(4, [r0, r1]).delta is False  # r1 holds 2: full
+        assert update(5, [r0, r1]).delta is True
+        late = LocalWorkerGroup(Rollout, 1, name="late")
+        groups.append(late)
+        mgr.add_replicas([late])
+        assert update(6, [r0, r1, late]).delta is False  # a late joiner: full
+        assert update(7, [r0, r1, late]).delta is True
+    finally:
+        mgr.shutdown()
+        for g in groups:
+            g.shutdown(timeout=2)

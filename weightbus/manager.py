@@ -34,6 +34,11 @@ class UpdateReport:
     #: elastic engines: the replicas linked to the trainers for this update (new, or
     #: back after a failure); every other replica kept its connections
     linked: list[str] = field(default_factory=list)
+    #: delta mode (``delta=True``): True when the update went as changes, False when it went
+    #: full (a replica held another version); None otherwise
+    delta: bool | None = None
+    #: bytes the trainer ranks put on their links, together
+    wire_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -298,6 +303,9 @@ class CheckpointEngineManager:
                                + "".join(f"; {n} not resumed ({err})" for n, err in resumed.items() if err)
                                + f". Versions held: {held}", held, ok) from e
         report.bytes = results[0][0]["bytes"]  # the payload every rollout rank received
+        report.wire_bytes = sum(r.get("wire_bytes", 0) for r in results[0])
+        full = results[0][0].get("full")
+        report.delta = None if full is None else not full
         lost = {lid for r in results[0] for lid in r.get("failed", ())}
         if lost:  # a trainer dropped a link its replica thinks it holds: link it again
             self._relink([r for r in self.replicas if self._linked.get(r.name) in lost])

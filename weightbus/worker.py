@@ -107,7 +107,8 @@ class WeightbusWorker(EngineHost):
         except ReplicasFailed as e:  # an elastic engine reached the others: the manager sorts it out
             stats, failed = e.stats, e.failed  # type: ignore[assignment]
         self.weights_version = version
-        return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors, "failed": failed}
+        return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors, "failed": failed,
+                "wire_bytes": stats.wire_bytes, "full": getattr(self._wb_engine, "last_full", None)}
 
     async def wb_receive(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"

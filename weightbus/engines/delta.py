@@ -205,8 +205,10 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
         try:
             cur: list[tuple[list[torch.Tensor], int]] = []
             used = 0
-            for rec in records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps,
-                               full, capacity):
+            with torch.no_grad():
+                recs = list(records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps,
+                                    full, capacity))
+            for rec in recs:
                 if used + rec[1] > capacity and cur:
                     mine.append(cur)
                     cur, used = [], 0
@@ -291,9 +293,12 @@ def receive(engine: BucketEngine, version: int, manifest: Manifest,
         if error is None:
             engine.version = None  # from the first byte written on, the old version is gone
             try:
-                applied += _apply(slot, b.used, targets, manifest, full)
+                with torch.no_grad():  # destinations may be parameters
+                    applied += _apply(slot, b.used, targets, manifest, full)
             except _Drift as e:
                 error = f"{engine.where()}: {e}"
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{engine.where()}: applying bucket {b.index}: {e}"
         engine._release(b)
         nxt = b.index + engine.num_buffers
         if nxt < len(plan):
