@@ -555,11 +555,11 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
                 import weightbus.engines.delta as dm
                 orig = dm.encode
 
-                def bad(index, start, cur, snap, full):
-                    got = orig(index, start, cur, snap, full)
-                    if got is not None and not bad.done and got[0][0].view(torch.int64)[1].item() != dm.FULL:
+                def bad(index, start, cur, snap, full, idx=None):
+                    got = orig(index, start, cur, snap, full, idx)
+                    if got is not None and not bad.done and got.head[1] != dm.FULL:
                         bad.done = True
-                        got[0][-1][:1] ^= 1  # flip a bit of the first value after its digest was taken
+                        got.body[-1][:1] ^= 1  # flip a bit of the first value after its digest was taken
                     return got
                 bad.done = False
                 dm.encode = bad

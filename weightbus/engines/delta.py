@@ -54,6 +54,7 @@ _NEUTRAL = -(1 << 62)  # a rank with no say in a field of the agreement
 _MASK = (1 << 62) - 1
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SLICE = 1 << 22  # elements per step of a weighted sum over a dense range (bounds temporaries)
+_GROUP = 1 << 28  # elements diffed together on a GPU (their mask: 256 MB)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -61,10 +62,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INTS[t.element_size()])
 
 
-def _weighted(pos: torch.Tensor, delta: torch.Tensor) -> int:
+def _weighted(pos: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """sum(w(pos) * delta) in wrapping int64, w(pos) = pos * 2654435761 + 1 (a multiply, not
-    a modulo: cheap): w depends on the position, so a value written to the wrong place shows."""
-    return int(((pos * 2654435761 + 1) * delta).sum().item())
+    a modulo: cheap): w depends on the position, so a value written to the wrong place shows.
+    A 0-d tensor on the data's device: read back once per update, not per record."""
+    return ((pos * 2654435761 + 1) * delta).sum()
 
 
 def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,7 @@ def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     per = 8 // new.element_size()
     n = new.numel()
     m = n // per * per
-    if per > 1 and m:
+    if per > 1 and m and new.device.type == "cpu":  # (a GPU compares elements at full speed)
         try:
             wn, wo = new[:m].view(torch.int64), old[:m].view(torch.int64)
         except RuntimeError:  # not 8-byte aligned: element by element
@@ -92,8 +94,8 @@ def _changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (new != old).nonzero().squeeze(1)
 
 
-def _weighted_range(start: int, delta: torch.Tensor) -> int:
-    total = 0
+def _weighted_range(start: int, delta: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.int64, device=delta.device)
     for lo in range(0, delta.numel(), _SLICE):
         part = delta[lo:lo + _SLICE]
         pos = torch.arange(start + lo, start + lo + part.numel(), dtype=torch.int64, device=part.device)
@@ -117,39 +119,48 @@ class Snapshots:
         self.pieces: dict[tuple[int, int], torch.Tensor] = {}
 
 
+class Record:
+    """One record: its header words (the digest a 0-d tensor until the update reads them all
+    back at once) and its body, as 8-byte-padded byte pieces."""
+
+    __slots__ = ("head", "digest", "body", "size")
+
+    def __init__(self, head: list[int], digest: Any, body: list[torch.Tensor]):
+        self.head, self.digest, self.body = head, digest, body
+        self.size = _HEADER + sum(p.numel() for p in body)  # (its header sits in the directory)
+
+
 def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
-           full: bool) -> tuple[list[torch.Tensor], int] | None:
+           full: bool, idx: torch.Tensor | None = None) -> Record | None:
     """One record for elements ``[start, start + n)`` of tensor ``index`` (``cur``: their
-    new values, flat, wire dtype). Returns (the record's byte pieces, its size), or None
-    where nothing changed. Updates ``snap`` to ``cur``."""
+    new values, flat, wire dtype), or None where nothing changed. Updates ``snap`` to
+    ``cur``. ``idx``: the changed positions, where the caller found them already (else this
+    waits for the device once, to count them)."""
     n, e = cur.numel(), cur.element_size()
     if full or snap is None:
-        kind, k, digest, body = FULL, n, 0, [_padded(cur.view(torch.uint8))]
         if snap is not None:
             snap.copy_(cur)
+        return Record([index, FULL, start, n, n], 0, [_padded(cur.view(torch.uint8))])
+    new, old = _bits(cur), _bits(snap)
+    idx = _changed(new, old) if idx is None else idx
+    k = idx.numel()
+    if k == 0:
+        return None
+    vals = torch.index_select(cur, 0, idx)
+    digest = _weighted(idx + start, _bits(vals).long() - torch.index_select(old, 0, idx).long())
+    sparse, bitmap, dense = _pad(4 * k) + e * k, _pad((n + 7) // 8) + e * k, e * n
+    if dense <= min(sparse, bitmap):
+        kind, body = DENSE, [_padded(cur.view(torch.uint8))]
+    elif sparse <= bitmap:
+        kind, body = SPARSE, [_padded(idx.to(torch.int32).view(torch.uint8))]
     else:
-        new, old = _bits(cur), _bits(snap)
-        idx = _changed(new, old)
-        k = idx.numel()
-        if k == 0:
-            return None
-        vals = torch.index_select(cur, 0, idx)
-        digest = _weighted(idx + start, _bits(vals).long() - torch.index_select(old, 0, idx).long())
-        sparse, bitmap, dense = _pad(4 * k) + e * k, _pad((n + 7) // 8) + e * k, e * n
-        if dense <= min(sparse, bitmap):
-            kind, body = DENSE, [_padded(cur.view(torch.uint8))]
-        elif sparse <= bitmap:
-            kind, body = SPARSE, [_padded(idx.to(torch.int32).view(torch.uint8))]
-        else:
-            mask = torch.zeros(n, dtype=torch.bool, device=cur.device)
-            mask[idx] = True
-            kind, body = BITMAP, [_padded(_pack_bits(mask))]
-        if kind != DENSE:
-            body.append(_padded(vals.view(torch.uint8)))
-        snap.index_copy_(0, idx, vals)
-    head = torch.tensor([index, kind, start, n, k, digest], dtype=torch.int64, device=cur.device)
-    parts = [head.view(torch.uint8), *body]
-    return parts, sum(p.numel() for p in parts)
+        mask = torch.zeros(n, dtype=torch.bool, device=cur.device)
+        mask[idx] = True
+        kind, body = BITMAP, [_padded(_pack_bits(mask))]
+    if kind != DENSE:
+        body.append(_padded(vals.view(torch.uint8)))
+    snap.index_copy_(0, idx, vals)
+    return Record([index, kind, start, n, k], digest, body)
 
 
 def _padded(b: torch.Tensor) -> torch.Tensor:
@@ -170,14 +181,27 @@ def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
-            full: bool, capacity: int) -> Iterator[tuple[list[torch.Tensor], int]]:
-    """Every record of this rank's pieces, each at most ``capacity`` bytes."""
+            full: bool, capacity: int) -> list[Record]:
+    """Every record of this rank's pieces, each at most ``capacity`` bytes with its header,
+    their digests read back from the device at once."""
+    out = list(_records(pieces, manifest, snaps, full, capacity))
+    pending = [r for r in out if isinstance(r.digest, torch.Tensor)]
+    if pending:
+        for r, d in zip(pending, torch.stack([r.digest for r in pending]).tolist(), strict=True):
+            r.digest = d
+    return out
+
+
+def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
+             full: bool, capacity: int) -> Iterator[Record]:
+    group: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # diffed together (GPU)
+    size = 0
     for index, start, piece in pieces:
         meta = manifest.metas[index]
         cur = piece.reshape(-1)
         if cur.dtype != meta.dtype:
             cur = cur.to(meta.dtype)
-        most = max(1, (capacity - _HEADER - 8) // meta.itemsize)  # a dense record fits a bucket
+        most = max(1, (capacity - 2 * _HEADER) // meta.itemsize)  # a dense record fits a bucket
         for lo in range(0, cur.numel(), most):
             part = cur[lo:lo + most]
             key = (index, start + lo)
@@ -185,10 +209,44 @@ def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest,
             if snap is None or snap.numel() != part.numel():
                 snap = snaps.pieces[key] = torch.empty_like(part)
                 got = encode(index, start + lo, part, snap, True)
+            elif not full and part.device.type == "cuda":
+                group.append((index, start + lo, part, snap))
+                size += part.numel()
+                if size >= _GROUP:
+                    yield from _encode_group(group)
+                    group, size = [], 0
+                continue
             else:
                 got = encode(index, start + lo, part, snap, full)
             if got is not None:
                 yield got
+    yield from _encode_group(group)
+
+
+def _encode_group(group: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[Record]:
+    """Diff many pieces with two waits for the device in all (a wait per piece costs more
+    than its compare on a GPU): their masks side by side, one ``nonzero``, one count per
+    piece."""
+    if not group:
+        return
+    total = sum(p.numel() for _, _, p, _ in group)
+    mask = torch.empty(total, dtype=torch.bool, device=group[0][2].device)
+    starts, off = [], 0
+    for _, _, part, snap in group:
+        torch.ne(_bits(part), _bits(snap), out=mask[off:off + part.numel()])
+        starts.append(off)
+        off += part.numel()
+    pos = mask.nonzero().squeeze(1)
+    del mask
+    bounds = torch.tensor(starts[1:], dtype=torch.int64, device=pos.device)
+    counts = torch.bincount(torch.bucketize(pos, bounds, right=True), minlength=len(group)).tolist()
+    at = 0
+    for (index, start, part, snap), first, k in zip(group, starts, counts, strict=True):
+        if k:
+            got = encode(index, start, part, snap, False, idx=pos[at:at + k] - first)
+            if got is not None:
+                yield got
+        at += k
 
 
 def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
@@ -200,38 +258,31 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     full = engine.last_full = not _agree(engine, held, None)
     snaps.version = None  # until this update completes
     capacity = engine.bucket_size - TRAILER_BYTES - 8
-    mine: list[list[tuple[list[torch.Tensor], int]]] = []
+    mine: list[list[Record]] = []  # this rank's buckets
     if error is None and stream is not None:
         try:
-            cur: list[tuple[list[torch.Tensor], int]] = []
-            used = 0
             with torch.no_grad():
-                recs = list(records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps,
-                                    full, capacity))
+                recs = records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps,
+                               full, capacity - 8)
+            used = 8
             for rec in recs:
-                if used + rec[1] > capacity and cur:
-                    mine.append(cur)
-                    cur, used = [], 0
-                cur.append(rec)
-                used += rec[1]
-            if cur:
-                mine.append(cur)
+                if not mine or used + rec.size > capacity:
+                    mine.append([])
+                    used = 8
+                mine[-1].append(rec)
+                used += rec.size
         except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
             error = f"{engine.where()}: taking the delta of the weights: {e}"
             mine = []
-    plan = _plan(engine, [sum(r[1] for r in b) for b in mine])
+    plan = _plan(engine, [8 + sum(r.size for r in b) for b in mine])
     wire = 0
     for b in plan:
         if b.owner != engine.trainer_rank:
             continue
         slot = engine._acquire(b)
-        recs = mine[b.index // engine.n_senders] if b.index // engine.n_senders < len(mine) else []
-        offset = 0
-        if error is None:
-            for parts, _ in recs:
-                for p in parts:
-                    slot[offset:offset + p.numel()].copy_(p, non_blocking=True)
-                    offset += p.numel()
+        k = b.index // engine.n_senders
+        if error is None and k < len(mine):
+            _fill(slot, mine[k])
         engine._stamper.stamp(slot, b, version, buffers.STATUS_ABORT if error else buffers.STATUS_OK,
                               error or "")
         engine._send(b, slot)
@@ -239,6 +290,19 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     engine._flush_send(_PlanView(plan))
     engine._delta_pending = (version, manifest.fingerprint)  # type: ignore[attr-defined]
     return error, wire, len(plan)
+
+
+def _fill(slot: torch.Tensor, recs: list[Record]) -> None:
+    """A bucket: the record count and every header first (one read on the receiver), then
+    the bodies in the same order."""
+    directory = torch.tensor([len(recs)] + [w for r in recs for w in (*r.head, r.digest)], dtype=torch.int64)
+    raw = directory.view(torch.uint8)
+    slot[:raw.numel()].copy_(raw)
+    offset = raw.numel()
+    for r in recs:
+        for p in r.body:
+            slot[offset:offset + p.numel()].copy_(p, non_blocking=True)
+            offset += p.numel()
 
 
 def pieces_of(stream: Any, rank: int, world: int) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -330,16 +394,23 @@ def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Ten
 
 
 def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool) -> int:
-    """Write every record of a bucket into its target; returns the sum of their digests."""
-    offset, total = 0, 0
-    while offset < used:
-        index, kind, start, n, k, digest = slot[offset:offset + _HEADER].view(torch.int64).tolist()
-        offset += _HEADER
+    """Write every record of a bucket into its target; returns the sum of their digests.
+    Reads the directory once and checks every digest (and position) at once at the end."""
+    if used < 8:
+        return 0
+    count = int(slot[:8].view(torch.int64).item())
+    if not 0 <= count <= (used - 8) // _HEADER:
+        raise _Drift(f"a delta bucket is malformed (it says {count} records in {used} bytes)")
+    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
+    offset, total = 8 + count * _HEADER, 0
+    checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
+    bounds: list[tuple[int, torch.Tensor]] = []  # (record, whether a position was out of range)
+    for r, (index, kind, start, n, k, digest) in enumerate(heads):
         if not 0 <= index < len(targets) or kind not in (FULL, SPARSE, BITMAP, DENSE):
-            raise _Drift(f"a delta record is malformed (tensor {index}, kind {kind}) at byte {offset}")
+            raise _Drift(f"a delta record is malformed (tensor {index}, kind {kind})")
         dst, meta = targets[index], manifest.metas[index]
         e = meta.itemsize
-        if start < 0 or n < 0 or start + n > dst.numel():
+        if start < 0 or n < 0 or not 0 <= k <= n or start + n > dst.numel():
             raise _Drift(f"tensor {meta.name!r}: a record for elements [{start}, {start + n}) lies "
                          f"outside its {dst.numel()}")
         sub = dst[start:start + n]
@@ -347,28 +418,41 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
             vals = slot[offset:offset + n * e].view(meta.dtype)
             offset += _pad(n * e)
             if kind == DENSE:
-                mine = _weighted_range(start, _bits(vals).long() - _bits(sub).long())
+                checks.append((r, _weighted_range(start, _bits(vals).long() - _bits(sub).long()), digest))
             sub.copy_(vals)
         else:
             if kind == SPARSE:
                 pos = slot[offset:offset + 4 * k].view(torch.int32).long()
                 offset += _pad(4 * k)
+                bounds.append((r, ((pos < 0) | (pos >= n)).any()))
+                pos = pos.clamp(0, max(n - 1, 0))  # an out-of-range position fails below, not here
             else:
                 bits = slot[offset:offset + (n + 7) // 8]
                 offset += _pad((n + 7) // 8)
                 pos = _unpack_bits(bits, n).nonzero().squeeze(1)
+                if pos.numel() != k:
+                    raise _Drift(f"tensor {meta.name!r}: a patch of elements [{start}, {start + n}) says "
+                                 f"{k} changes but its bitmap has {pos.numel()}")
             vals = slot[offset:offset + k * e].view(meta.dtype)
             offset += _pad(k * e)
-            if pos.numel() != k or (k and (int(pos.min()) < 0 or int(pos.max()) >= n)):
-                raise _Drift(f"tensor {meta.name!r}: a patch of elements [{start}, {start + n}) names "
-                             f"positions outside its range")
-            mine = _weighted(pos + start, _bits(vals).long() - _bits(sub)[pos].long())
+            checks.append((r, _weighted(pos + start, _bits(vals).long() - _bits(sub)[pos].long()), digest))
             sub[pos] = vals
-        if kind != FULL and mine != digest:
-            raise _Drift(f"tensor {meta.name!r}: elements [{start}, {start + n}) do not match the "
-                         f"trainer's after the patch (digest {mine:#x}, trainer {digest:#x}): the patch, "
-                         f"or this rank's copy of the previous version, is corrupt")
         total += digest
+        if offset > used:
+            raise _Drift(f"tensor {meta.name!r}: a delta record runs past its bucket")
+    bad = set()
+    if bounds:
+        flags = torch.stack([f for _, f in bounds]).tolist()
+        bad |= {r for (r, _), f in zip(bounds, flags, strict=True) if f}
+    if checks:
+        ours = torch.stack([torch.as_tensor(d, dtype=torch.int64, device=slot.device) for _, d, _ in checks])
+        theirs = torch.tensor([d for _, _, d in checks], dtype=torch.int64, device=slot.device)
+        bad |= {checks[i][0] for i in (ours != theirs).nonzero().squeeze(1).tolist()}
+    if bad:
+        index, _, start, n, _, digest = heads[min(bad)]
+        raise _Drift(f"tensor {manifest.metas[index].name!r}: elements [{start}, {start + n}) do not match "
+                     f"the trainer's after the patch (its digest {digest:#x}): the patch, or this rank's "
+                     f"copy of the previous version, is corrupt")
     return total
 
 
