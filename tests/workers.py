@@ -494,16 +494,17 @@ def _delta_model(fsdp_port: int | None, rank: int, T: int):
     return model
 
 
-def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: float, updates: int):
+def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: float, updates: int,
+                  backend: str = "gloo"):
+    """``updates`` updates in delta mode, with a real AdamW step at ``lr`` before each:
+    bitwise after every one; bytes on the wire next to the dense bytes. Then: a consumer
+    that stops (the update fails: the next goes full), and a corrupted patch (caught,
+    naming the tensor; the next goes full). (Late joiners: tests/test_manager.py.)"""
     from torch.distributed.tensor import Replicate
-    """``updates`` updates in delta mode over gloo, with a real AdamW step at ``lr`` before
-    each: bitwise after every one; bytes on the wire next to the dense bytes. Then: a
-    consumer that stops (the update fails: the next goes full), a corrupted patch (caught,
-    naming the tensor), and a late joiner after re-forming (full for it, then delta)."""
     torch.set_num_threads(1)
     is_trainer = rank < T
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
-    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if is_trainer else "rollout", delta=True,
+    engine = CheckpointEngineRegistry.new(backend, role="trainer" if is_trainer else "rollout", delta=True,
                                           bucket_size=1 << 16, timeout=30)
     connect(engine, rdv, T, R)
     log: list[dict] = []
