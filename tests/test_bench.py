@@ -50,3 +50,13 @@ def test_bench_backends_and_receivers_cpu():
         BenchConfig(scenario="colocated", preset="tiny", gpu=False, backend="nixl")
     with pytest.raises(ValueError, match="receivers must be an int >= 1"):
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, receivers=0)
+
+
+def test_bench_delta_row_cpu():
+    """``--delta``: a delta-mode engine timed next to the dense one in the same run, both
+    rollouts verified, its wire bytes a small share of the dense ones at 2 % changed."""
+    row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=2, gpu=False, timeout=120,
+                                delta=0.02))
+    assert row["verified"] and row["delta_s"] > 0 and not row["delta_full"]
+    assert row["delta_wire_fraction"] < 0.15
+    assert "delta 2.0% changed" in format_table([row])

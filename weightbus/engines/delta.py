@@ -435,8 +435,9 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
                                  f"{k} changes but its bitmap has {pos.numel()}")
             vals = slot[offset:offset + k * e].view(meta.dtype)
             offset += _pad(k * e)
-            checks.append((r, _weighted(pos + start, _bits(vals).long() - _bits(sub)[pos].long()), digest))
-            sub[pos] = vals
+            old = torch.index_select(_bits(sub), 0, pos)  # (index_select, index_copy_: ~2x fancy indexing)
+            checks.append((r, _weighted(pos + start, _bits(vals).long() - old.long()), digest))
+            sub.index_copy_(0, pos, vals)
         total += digest
         if offset > used:
             raise _Drift(f"tensor {meta.name!r}: a delta record runs past its bucket")
