@@ -130,3 +130,10 @@ class SelfRegistering(Rollout):
     def leave(self):
         from weightbus.runtime.ray import unregister_self
         unregister_self(self.replica, self.registry)
+
+
+class AttachDies(Rollout):
+    """Dies when the manager links it to the trainers (an elastic engine's join)."""
+
+    def wb_attach(self, *args, **kwargs):
+        os._exit(9)

@@ -210,6 +210,19 @@ def test_elastic_add_remove_and_failures_local(backend):
             kept(held, [r0, late])
             assert all(len(x) == 2 for x in links()[0])  # the trainers dropped r1's link
 
+        if elastic:  # a newcomer that dies while it is linked: it fails alone, the others keep theirs
+            from mgr_workers import AttachDies
+            held = links(r0, late)
+            ghost = LocalWorkerGroup(AttachDies, 1, name="ghost")
+            groups.append(ghost)
+            mgr.add_replicas([ghost])
+            with pytest.raises(WeightSyncError, match="replica 'ghost'"):
+                mgr.update_weights(version=5)
+            mgr.remove_replicas([ghost])
+            rep = mgr.update_weights(version=5)
+            assert not rep.rebuilt and rep.linked == [] and same(r0) and same(late)
+            kept(held, [r0, late])
+
         for mode in ("die", "hang"):
             bad = LocalWorkerGroup(FailingRollout, 1, mode, 5 if mode == "die" else 6, name=f"bad-{mode}")
             groups.append(bad)

@@ -382,11 +382,20 @@ class CheckpointEngineManager:
         pending = [(self.trainer, self.trainer.submit("wb_link", [(add, drop)] * T))]
         pending += [(r, r.submit("wb_attach", [(self._served, lid, i, r.size) for i in range(r.size)]))
                     for r, (lid, _) in zip(new, add, strict=True)]
-        self._wait(pending, f"linking {[r.name for r in new] or 'no'} replica(s) for version {version}",
-                   self.timeout)
+        # (1.5x: a replica that never comes costs the trainers one formation deadline, and
+        # must not make them look hung: that would re-link every replica)
+        got = self._wait(pending, f"linking {[r.name for r in new] or 'no'} replica(s) for version {version}",
+                         self.timeout * 1.5)
         self._stale.difference_update(drop)
-        self._stale.difference_update(lid for lid, _ in add)
-        self._linked.update({r.name: lid for r, (lid, _) in zip(new, add, strict=True)})
+        missed = {lid: why for rank in got[0] for lid, why in (rank or {}).items()}
+        ok = [(r, lid) for r, (lid, _) in zip(new, add, strict=True) if lid not in missed]
+        self._stale.difference_update(lid for _, lid in ok)
+        self._linked.update({r.name: lid for r, lid in ok})
+        if missed:
+            names = [r.name for r, (lid, _) in zip(new, add, strict=True) if lid in missed]
+            self._errored = [r for r in new if r.name in names]
+            raise WeightSyncError(f"linking replica(s) {names} for version {version} failed: "
+                                  + "; ".join(sorted(set(missed.values())))[:2000])
         self._formed_for = tuple(id(r) for r in self.replicas)
         return None if whole else [r.name for r in new]
 

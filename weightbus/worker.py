@@ -50,8 +50,8 @@ class EngineHost:
     def wb_serve(self, rank: int, trainer_metadata: list[dict[str, Any]]) -> None:
         self._wb_engine.serve(rank, trainer_metadata)  # type: ignore[union-attr]
 
-    def wb_link(self, add: list[tuple[str, int]], drop: list[str]) -> None:
-        self._wb_engine.link_replicas(add, drop)  # type: ignore[union-attr]
+    def wb_link(self, add: list[tuple[str, int]], drop: list[str]) -> dict[str, str]:
+        return self._wb_engine.link_replicas(add, drop)  # type: ignore[union-attr]
 
     def wb_attach(self, trainer_metadata: list[dict[str, Any]], link: str, rank: int, size: int) -> None:
         self._wb_engine.attach(trainer_metadata, link, rank, size)  # type: ignore[union-attr]

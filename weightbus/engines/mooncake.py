@@ -214,7 +214,9 @@ class MooncakeEngine(BucketEngine):
         self._take_place(rank, T, R, bucket_size)
         self._connect(master_addr, master_port, token)
         if rank < T:
-            self.link_replicas(list(links or []), list(self._links))
+            failed = self.link_replicas(list(links or []), list(self._links))
+            if failed:
+                raise WeightSyncError("; ".join(failed.values()))
         elif link is None:
             raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
         else:
@@ -238,25 +240,32 @@ class MooncakeEngine(BucketEngine):
         m = trainer_metadata[0]
         self._connect(m["addr"], m["port"], m["token"])
 
-    def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> None:
+    def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> dict[str, str]:
         """Trainer side: forget the replicas ``drop`` (ids; unknown ones are ignored), then
         form a control group with each replica of ``add`` ((id, size); its ranks call
-        :meth:`attach` at the same time). No other replica's group is touched."""
+        :meth:`attach` at the same time). No other replica's group is touched, and a
+        replica that does not come (it died) fails alone: returns {id: why} of those."""
         for link_id in drop:
             link = self._links.pop(link_id, None)
             if link is not None:
                 _close(link.pg, link.lost is not None)
         self._ctl_rank = self.trainer_rank  # in every link, the trainer ranks come first
+        failed: dict[str, str] = {}
         for link_id, size in add:
             if link_id in self._links:
                 raise PlanError(f"{self.where()}: replica link {link_id!r} exists already")
-            pg = comm.new_group("gloo", self._store, f"wb/{self._master[2]}/{link_id}",  # type: ignore[index]
-                                self.trainer_rank, self.T + size, self.timeout, None,
-                                f"{self.where()} linking replica {link_id!r}")
+            try:
+                pg = comm.new_group("gloo", self._store, f"wb/{self._master[2]}/{link_id}",  # type: ignore[index]
+                                    self.trainer_rank, self.T + size, self.timeout, None,
+                                    f"{self.where()} linking replica {link_id!r}")
+            except WeightSyncError as e:
+                failed[link_id] = str(e)
+                continue
             self._serial += 1
             self._links[link_id] = _Link(link_id, size, pg, self._serial)
         self.R = sum(link.size for link in self._links.values())
         self.world_size = self.T + self.R
+        return failed
 
     def attach(self, trainer_metadata: list[dict[str, Any]], link: str, rank: int, size: int) -> None:
         """Rollout side: rank ``rank`` of a replica of ``size`` ranks joins the trainers
