@@ -383,12 +383,6 @@ def test_delta_option_checked_where_given(backend, kwargs, match):
         CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
-def test_delta_not_on_mooncake():
-    with pytest.raises(WeightbusError, match="delta=True is not supported by backend MooncakeEngine"):
-        CheckpointEngineRegistry.new("mooncake", role="rollout", delta=True)
-
-
 def test_bench_delta_arguments_checked():
     from weightbus.bench import BenchConfig
     with pytest.raises(ValueError, match=r"delta must be a fraction of elements in \(0, 1\]"):

@@ -168,7 +168,8 @@ def test_sharded_source_gathers_exactly(free_port):
     pytest.param(1, 2, 1e-6, "gloo", id="1-2-lr1e-6"),
     pytest.param(1, 1, 1e-3, "gloo", id="1-1-lr1e-3-dense"),
     pytest.param(2, 1, 1e-6, "gloo", id="fsdp2-2-1-lr1e-6"),
-    *([pytest.param(1, 2, 1e-6, "nixl", id="nixl-1-2-lr1e-6")] if NIXL else [])])
+    *([pytest.param(1, 2, 1e-6, "nixl", id="nixl-1-2-lr1e-6")] if NIXL else []),
+    *([pytest.param(1, 2, 1e-6, "mooncake", id="mooncake-1-2-lr1e-6")] if MOONCAKE else [])])
 def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
     """Delta mode over gloo with real AdamW steps: after every update each rollout is
     bitwise equal to the trainer; at lr 1e-6 a quarter of the dense bytes is plenty (the
@@ -188,7 +189,10 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
             assert all("ok" in t[k] for t in trainers), (k, trainers[0][k])
             for r in rollouts:
                 assert r[k]["digest"] == trainers[0][k]["digest"], (k, kind)  # bitwise
+                # (mooncake's replicas fail alone: the others complete a failed update, and
+                # versions go on from it)
                 failed = kinds[:k].count("corrupt") + kinds[:k].count("consumer_stops")
+                failed = 0 if backend == "mooncake" else failed
                 assert r[k]["version"] == k + 1 - failed
             full = k == 0 or kind != "delta"
             assert all(t[k]["full"] == full for t in trainers + rollouts), (k, kind)

@@ -84,8 +84,6 @@ class BenchConfig:
         if self.delta is not None and self.scenario != "disaggregated":
             raise ValueError("delta= applies to the disaggregated scenario (the colocated engine's floor "
                              "is a bulk copy on the same device: there is no link to spare)")
-        if self.delta is not None and self.engine == "mooncake":
-            raise ValueError("delta= needs an engine with delta mode: gloo, nccl or nixl")
         if self.topology is not None and self.engine != "nixl":
             raise ValueError("topology= applies to the nixl backend only")
         if not isinstance(self.receivers, int) or self.receivers < 1:

@@ -486,8 +486,8 @@ class BucketEngine(CheckpointEngine):
         if not isinstance(delta, bool):
             raise PlanError(f"delta must be True or False, got {delta!r}")
         if delta and not self.supports_delta:
-            raise PlanError(f"delta=True is not supported by backend {type(self).__name__}: use gloo, nccl "
-                            f"or nixl (colocated copies are already at the bulk-copy floor)")
+            raise PlanError(f"delta=True is not supported by backend {type(self).__name__}: use gloo, nccl, "
+                            f"nixl or mooncake (colocated copies are already at the bulk-copy floor)")
         self.delta = delta
         self._snapshots = delta_mode.Snapshots()  # trainer: what it sent last (delta mode)
         self._chain = delta_mode.Chain()  # receiver: what it applied since its last full update
@@ -645,6 +645,10 @@ class BucketEngine(CheckpointEngine):
         flags = self._outcome(error)
         self._ctl_wait(comm.allreduce_max(self._ctl, flags), "finish")
         self._finish_agreed(version, error, flags)
+
+    def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
+        """Every rank of the update ends with the element-wise max of everyone's ``t``."""
+        self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
 
     def _finish_settled(self, version: int, error: str | None) -> None:
         """``_finish``, then (delta mode) record what this rank holds from now on."""

@@ -1,4 +1,5 @@
-"""Delta updates for the bucket engines (``delta=True``): every trainer rank sends what
+"""Delta updates for the bucket engines (``delta=True``; all but ``colocated``, whose
+floor is a copy on the same device): every trainer rank sends what
 changed in its *own* piece of every tensor since the version the receivers hold, so no
 rank gathers unchanged bytes and no rank funnels the others' changes.
 
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightbus import buffers, comm
+from weightbus import buffers
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest
 
 if TYPE_CHECKING:
@@ -467,8 +468,8 @@ def _agree(engine: BucketEngine, held: int | None, chain: int | None) -> bool:
     c = _NEUTRAL if chain is None else chain
     hi = torch.tensor([v, c], dtype=torch.int64)
     lo = torch.tensor([-v, _NEUTRAL if chain is None else -c], dtype=torch.int64)
-    engine._ctl_wait(comm.allreduce_max(engine._ctl, hi), "delta: agreeing on the version held")
-    engine._ctl_wait(comm.allreduce_max(engine._ctl, lo), "delta: agreeing on the version held")
+    engine._reduce_max(hi, "delta: agreeing on the version held")
+    engine._reduce_max(lo, "delta: agreeing on the version held")
     return hi[0].item() >= 1 and hi[0].item() == -lo[0].item() and hi[1].item() == -lo[1].item()
 
 
@@ -480,12 +481,12 @@ def _plan(engine: BucketEngine, mine: list[int]) -> list[Bucket]:
     counts = torch.zeros(T, dtype=torch.int64)
     if rank >= 0:
         counts[rank] = len(mine)
-    engine._ctl_wait(comm.allreduce_max(engine._ctl, counts), "delta: agreeing on the buckets")
+    engine._reduce_max(counts, "delta: agreeing on the buckets")
     most = max(1, int(counts.max().item()))
     sizes = torch.zeros(T, most, dtype=torch.int64)
     if rank >= 0 and mine:
         sizes[rank, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    engine._ctl_wait(comm.allreduce_max(engine._ctl, sizes.view(-1)), "delta: agreeing on the buckets")
+    engine._reduce_max(sizes.view(-1), "delta: agreeing on the buckets")
     return [Bucket(k * T + r, r, (), int(sizes[r, k].item())) for k in range(most) for r in range(T)]
 
 

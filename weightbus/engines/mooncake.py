@@ -96,8 +96,6 @@ class MooncakeEngine(BucketEngine):
         device_name: RDMA device(s) for ``rdma`` (e.g. ``mlx5_0``); empty for ``tcp``.
     """
 
-    supports_delta = False  # a control group per replica: not one to agree over
-
     #: replicas join and leave without re-forming the others (the manager links them one by one)
     elastic = True
 
@@ -413,6 +411,30 @@ class MooncakeEngine(BucketEngine):
         self._prune()
         if own is not None:
             raise own
+
+    def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
+        """Delta mode's agreements over one group per replica: each link reduces (the
+        trainers take part in every one), the trainers combine the links' results, and
+        trainer rank 0 tells every link the combined one, so every replica decides alike."""
+        if self.role != "trainer":
+            self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
+            self._ctl_wait(comm.broadcast(self._ctl, t, 0), phase)
+            return
+        mine = t.clone()
+        for link in self._live():
+            part = mine.clone()
+            try:
+                with self._on(link, phase):
+                    self._ctl_wait(comm.allreduce_max(link.pg, part), phase)
+            except WeightSyncError:
+                continue  # that replica is lost (recorded); the others go on
+            torch.maximum(t, part, out=t)
+        for link in self._live():
+            try:
+                with self._on(link, phase):
+                    self._ctl_wait(comm.broadcast(link.pg, t, 0), phase)
+            except WeightSyncError:
+                continue
 
     async def send_weights(self, weights: Any, *, version: int | None = None) -> UpdateStats:
         stats = await super().send_weights(weights, version=version)
