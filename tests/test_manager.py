@@ -325,6 +325,10 @@ def test_delta_updates_through_the_manager_local():
         mgr.add_replicas([late])
         assert update(6, [r0, r1, late]).delta is False  # a late joiner: full
         assert update(7, [r0, r1, late]).delta is True
+        peer_fed = LocalWorkerGroup(Rollout, 2, name="peer-fed")
+        groups.append(peer_fed)
+        mgr.join_from_peer(peer_fed, "r1")  # a bitwise copy of r1, chain included
+        assert update(8, [r0, r1, late, peer_fed]).delta is True  # so the deltas go on
     finally:
         mgr.shutdown()
         for g in groups:

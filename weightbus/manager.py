@@ -96,6 +96,7 @@ class CheckpointEngineManager:
         self._stale: set[str] = set()  # link ids the trainers must drop
         self.registry = registry
         self._registered: set[str] = set()  # names of the replicas that came from the registry
+        self._chains: dict[str, tuple[int, int]] = {}  # joined from a peer (delta mode): its chain
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -178,6 +179,9 @@ class CheckpointEngineManager:
         except BaseException:
             self.replicas.remove(replica)
             raise
+        chains = {x.get("chain") and tuple(x["chain"]) for x in results[0]}
+        if len(chains) == 1 and None not in chains:  # delta mode: the joiner holds the peer's chain
+            self._chains[replica.name] = chains.pop()
         return {"peer": src.name, "version": self.version, "bytes": sum(x["bytes"] for x in results[0]),
                 "seconds": max(x["seconds"] for x in results[0])}
 
@@ -359,6 +363,10 @@ class CheckpointEngineManager:
         self._wait([(g, g.submit("wb_setup", [setup(g)] * g.size)) for g in fresh],
                    f"setting up engines for version {version}", self.timeout)
         self._setup.update(id(g) for g in fresh)
+        adopt = [(g, self._chains.pop(g.name)) for g in fresh if g.name in self._chains]
+        if adopt:  # joined from a peer in delta mode: it may take the next delta like the peer
+            self._wait([(g, g.submit("wb_adopt", [chain] * g.size)) for g, chain in adopt],
+                       f"setting up engines for version {version}", self.timeout)
 
     def _link(self, version: int) -> list[str] | None:
         """Elastic engines: drop the links of replicas that left or failed, link the new

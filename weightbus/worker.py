@@ -61,6 +61,14 @@ class EngineHost:
         formed under), to see that a membership change left them alone."""
         return dict(getattr(self._wb_engine, "links", {}))
 
+    def wb_adopt(self, version: int, digest: int) -> None:
+        """Delta mode: this rank holds, bitwise, what a peer that applied this chain of
+        patches holds (it was filled from that peer): the next update can stay a delta."""
+        engine = self._wb_engine
+        if engine is not None and getattr(engine, "delta", False) and self.weights_version == version:
+            engine._chain.version, engine._chain.digest = version, digest  # type: ignore[attr-defined]
+            engine.version = version
+
     def wb_version(self) -> int | None:
         return self.weights_version
 
@@ -169,7 +177,9 @@ class WeightbusWorker(EngineHost):
             stats = await engine.send_weights(source, version=self.weights_version)
         finally:
             engine.finalize(destroy_group=True)
-        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
+        chain = getattr(self._wb_engine, "_chain", None)  # delta mode: what the joiner holds too
+        held = (chain.version, chain.digest) if chain is not None and chain.version is not None else None
+        return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds, "chain": held}
 
     async def wb_peer_receive(self, addr: str, port: int, prefix: str, timeout: float,
                               backend: str = "gloo") -> dict[str, Any]:
