@@ -677,7 +677,13 @@ class BucketEngine(CheckpointEngine):
             except GeneratorExit:
                 closed = True
                 error = f"{self.where()}: the consumer stopped reading; the update is incomplete"
-        if on_complete is not None and error is None:
+        self._end_receive(start, version, manifest, error, closed, on_complete, wire, n)
+
+    def _end_receive(self, start: float, version: int, manifest: Manifest, error: str | None,
+                     closed: bool, on_complete: Completion | None, wire: int, buckets: int) -> None:
+        """After the last bucket: the consumer's own check, then the outcome agreed on every
+        rank; a consumer that stopped reading reports its own exception (ours is recorded)."""
+        if on_complete is not None and error is None and not closed:
             try:
                 on_complete()
             except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
@@ -690,7 +696,7 @@ class BucketEngine(CheckpointEngine):
             raise
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
-                                      time.perf_counter() - start, n)
+                                      time.perf_counter() - start, buckets)
         self._log_update(self.last_stats)
 
     def _outcome(self, error: str | None) -> torch.Tensor:
@@ -976,18 +982,4 @@ class BucketEngine(CheckpointEngine):
             if nxt < len(buckets):
                 self._post_recv(buckets[nxt])
         self._flush_recv(plan)
-        if on_complete is not None and error is None and not closed:
-            try:
-                on_complete()
-            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                error = f"{self.where()}: version {version} failed its check after loading: {e}"
-        try:
-            self._finish(version, error)
-        except WeightSyncError:
-            if closed:  # the consumer has its own exception to report; ours is recorded
-                return
-            raise
-        self.version = version
-        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, plan.wire_bytes,
-                                      time.perf_counter() - start, len(plan))
-        self._log_update(self.last_stats)
+        self._end_receive(start, version, manifest, error, closed, on_complete, plan.wire_bytes, len(plan))
