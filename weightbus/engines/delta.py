@@ -21,8 +21,9 @@ Per update, after the core's header:
    positions + values, bitmap + values, or dense values, whichever is smallest; a full
    update sends dense records.
 3. **Move.** Records are packed whole into buckets; the ranks agree on every bucket's size
-   (one more small all-reduction) and the engine's own transport moves them (bucket b from
-   trainer b mod T, as every update), trailers checked on every receiver.
+   (two more small max-reductions: the counts, then the sizes) and the engine's own
+   transport moves them (bucket b from trainer b mod T, as every update), trailers checked
+   on every receiver.
 4. **Apply, verify.** A receiver writes every record into its destination tensors in place
    (``set_destinations``; the manager's workers set them from their sink). Each delta
    record carries ``sum(w(pos) * (new - old))`` over its positions, ``old`` being the
