@@ -342,7 +342,8 @@ def test_mooncake_replicas_must_split_the_rollout_ranks():
     with pytest.raises(WeightbusError, match=r"disagree on replica_size: \[1, 2\]"):
         MooncakeEngine.build_topology(1, 2, [meta(trainer=True), meta(2), meta(1)])
     trainer, rollout = MooncakeEngine.build_topology(1, 4, [meta(trainer=True)] + [meta(2)] * 4)
-    assert [bool(s) for s in rollout["sources"]] == [True, False, True, False]  # leaders read
+    assert rollout["link"] == [("r0", 0, 2), ("r0", 1, 2), ("r1", 0, 2), ("r1", 1, 2)]  # rank 0 of each reads
+    assert trainer["links"][0] == [("r0", 2), ("r1", 2)]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed")
@@ -358,6 +359,7 @@ def test_nixl_options_checked_where_given(kwargs, match):
 
 def test_nixl_topology_agreed_and_routed():
     """The ranks must agree on the topology; the routes follow the tree the rates pick."""
+    from weightbus import topology
     from weightbus.engines.nixl import NixlEngine
 
     def meta(rank, topology="auto", gbps=None):
@@ -366,12 +368,17 @@ def test_nixl_topology_agreed_and_routed():
         return m | ({"port": 1, "token": "t"} if rank == 0 else {})
     with pytest.raises(WeightbusError, match=r"disagree on topology: \['auto', 'tree'\]"):
         NixlEngine.build_topology(1, 2, [meta(0), meta(1, "tree"), meta(2)])
+    trainer, rollout = NixlEngine.build_topology(1, 3, [meta(0)] + [meta(r) for r in range(1, 4)])
+    assert trainer["links"][0] == [("r0", 1), ("r1", 1), ("r2", 1)] and rollout["link"][2] == ("r2", 0, 1)
     # a trainer link 4x a rollout's, 1 trainer, 6 rollouts: 4 heads, then chains
-    trainer, rollout = NixlEngine.build_topology(1, 6, [meta(0, gbps=100)] + [meta(r, gbps=25) for r in range(1, 7)])
-    assert trainer["fanout"][0] == (4, 1)
-    assert trainer["routes"][0] == {0: (None, [1, 2, 3, 4])}  # the trainer writes to 4 heads
-    assert rollout["routes"][0] == {0: (0, [5])} and rollout["routes"][4] == {0: (1, [])}
-    assert set(rollout["peers"][0]) == {0, 5}  # a rank connects to its neighbours only
+    fan = topology.choose(1, 6, sender_gbps=100, receiver_gbps=25)
+    heads, routes = NixlEngine.routes(["t0"], [f"r{x}" for x in range(6)], fan)
+    assert fan == topology.Fanout(4, 1) and heads == [["r0", "r1", "r2", "r3"]]
+    assert routes[0] == {0: ("t0", ["r4"])} and routes[4] == {0: ("r0", [])}
+    # two trainers, a ring: tree 1 starts at the second rollout; every rollout has one upstream
+    heads, routes = NixlEngine.routes(["t0", "t1"], ["a", "b", "c"], topology.Fanout(1, 1))
+    assert heads == [["a"], ["b"]]
+    assert routes[2] == {0: ("b", []), 1: ("b", ["a"])} and routes[0] == {0: ("t0", ["b"]), 1: ("c", [])}
 
 
 @pytest.mark.parametrize("backend,kwargs,match", [

@@ -15,14 +15,21 @@ from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus import WeightbusError, WeightSyncError  # noqa: E402
 from weightbus.comm import free_port  # noqa: E402
+from weightbus.errors import UpdateFailed  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
+ELASTIC = []
 try:
     from mooncake.engine import TransferEngine  # noqa: F401
-    ELASTIC = ["mooncake"]
+    ELASTIC.append("mooncake")
 except ImportError:
-    ELASTIC = []
+    pass
+try:
+    import nixl  # noqa: F401
+    ELASTIC.append("nixl")
+except ImportError:
+    pass
 
 
 
@@ -146,9 +153,10 @@ def test_ray_replica_death_is_named(ray_cluster):
 @pytest.mark.parametrize("backend", ["gloo", *ELASTIC])
 def test_elastic_add_remove_and_failures_local(backend):
     """Replicas join, leave, die and hang between and during updates. A broadcast engine
-    re-forms its group on each change; an elastic one (mooncake) links only the replica
-    that changed, keeps every other replica's connections (checked on both sides), and
-    completes an update on the others when one replica dies or hangs in it."""
+    re-forms its group on each change; an elastic one (mooncake, nixl) links only the
+    replica that changed and keeps every other replica's link (checked on both sides), also
+    after an update that failed on their data path; when one replica dies or hangs in an
+    update, mooncake completes it on the others, nixl on the ranks above it in its chains."""
     elastic = backend in ELASTIC
     trainer = LocalWorkerGroup(Trainer, 2, free_port(), name="trainer")
     r0 = LocalWorkerGroup(Rollout, 1, name="r0")
@@ -234,8 +242,12 @@ def test_elastic_add_remove_and_failures_local(backend):
             t0 = time.monotonic()
             with pytest.raises(WeightSyncError, match=f"replica 'bad-{mode}'") as failed:
                 mgr.update_weights(version=version)
-            assert time.monotonic() - t0 < 8 * 1.5 + 8 + 5  # deadlines, not a hang
-            if elastic:  # the others completed the update without it, bitwise
+            assert time.monotonic() - t0 < 8 * (2 if elastic else 1.5) + 8 + 5  # deadlines, not a hang
+            if backend == "nixl":  # chains: the ranks above it complete, the ones below fail in time
+                # (trees r0 -> late -> bad and late -> bad -> r0: late is above it in both)
+                assert failed.value.versions == {"r0": None, "late": version, f"bad-{mode}": None}
+                assert same(late)
+            elif elastic:  # the others completed the update without it, bitwise
                 assert failed.value.versions == {"r0": version, "late": version, f"bad-{mode}": None}
                 assert same(r0) and same(late)
             else:
@@ -247,6 +259,80 @@ def test_elastic_add_remove_and_failures_local(backend):
             if elastic:
                 assert not rep.rebuilt and rep.linked == []
                 kept(held, [r0, late])
+    finally:
+        for g in groups:
+            g.shutdown(timeout=2)
+
+
+@pytest.mark.skipif("nixl" not in ELASTIC, reason="nixl not installed")
+def test_nixl_membership_changes_touch_only_neighbours_local():
+    """One trainer and a chain trainer -> a -> b -> c -> d. A join (e, at the end), a death
+    mid-update (c) and a leave (b) change the NIXL connections of that replica's neighbours
+    only; the others keep theirs, every replica keeps its link, and the ranks above the
+    dead one complete its update."""
+    trainer = LocalWorkerGroup(Trainer, 1, free_port(), name="trainer")
+    a, b, d, e = (LocalWorkerGroup(Rollout, 1, name=n) for n in "abde")
+    c = LocalWorkerGroup(FailingRollout, 1, "die", 3, name="c")
+    groups = [trainer, a, b, c, d, e]
+    mgr = CheckpointEngineManager("nixl", trainer, [a, b, c, d], timeout=8, bucket_size=1 << 16)
+
+    def conns(*reps):
+        return [call(r, "wb_connections", timeout=10)[0] for r in reps]
+
+    def links(*reps):
+        return [call(r, "wb_links", timeout=10)[0] for r in reps]
+
+    def update(v, holders):
+        call(trainer, "train_step", v, timeout=10)
+        rep = mgr.update_weights(version=v)
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        assert all(call(r, "weights_digest", timeout=10) == [want] for r in holders)
+        return rep
+
+    try:
+        update(1, [a, b, c, d])
+        ca, cb, cc, cd = conns(a, b, c, d)
+        assert [len(x) for x in (ca, cb, cc, cd)] == [2, 2, 2, 1]  # upstream and downstream; d is last
+        before = links(a, b, c, d)
+
+        def kept(now, was, n):
+            """``n`` of the connections ``was`` are still there, made under the same serial."""
+            same = set(now) & set(was)
+            return len(same) == n and all(now[k] == was[k] for k in same)
+
+        mgr.add_replicas([e])  # joins at the end: only d (the old tail) meets it
+        rep = update(2, [a, b, c, d, e])
+        assert rep.linked == ["e"]
+        now = conns(a, b, c, d)
+        assert now[:3] == [ca, cb, cc]  # a, b, c: untouched
+        assert kept(now[3], cd, 1) and len(now[3]) == 2  # d: + e
+        cd = now[3]
+        assert links(a, b, c, d) == before
+        ce = conns(e)[0]
+
+        call(trainer, "train_step", 3, timeout=10)
+        with pytest.raises(UpdateFailed, match="replica 'c'") as failed:
+            mgr.update_weights(version=3)  # c dies in it: a and b (above it) complete
+        held = failed.value.versions  # below it: the old version if nothing arrived, else none
+        assert {k: held[k] for k in "abc"} == {"a": 3, "b": 3, "c": None}
+        assert {held["d"], held["e"]} <= {2, None}
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        assert call(a, "weights_digest", timeout=10) == call(b, "weights_digest", timeout=10) == [want]
+        mgr.remove_replicas([c])
+        rep = update(3, [a, b, d, e])
+        assert rep.linked == [] and not rep.rebuilt  # d and e failed on the data path: links kept
+        assert links(a, b, d) == before[:2] + before[3:]
+        na, nb, nd, ne = conns(a, b, d, e)
+        assert na == ca and ne == ce  # not neighbours of c: untouched
+        assert kept(nb, cb, 1) and len(nb) == 2  # b keeps a, meets d
+        assert kept(nd, cd, 1) and len(nd) == 2  # d keeps e, meets b
+
+        mgr.remove_replicas([b])  # leaves: a and d meet
+        update(4, [a, d, e])
+        na2, nd2, ne2 = conns(a, d, e)
+        assert ne2 == ce  # not a neighbour of b: untouched
+        assert kept(na2, na, 1) and len(na2) == 2  # a keeps the trainer, meets d
+        assert kept(nd2, nd, 1) and len(nd2) == 2  # d keeps e, meets a
     finally:
         for g in groups:
             g.shutdown(timeout=2)

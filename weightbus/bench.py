@@ -286,7 +286,10 @@ def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
     with no packing, credits, forwarding or checks (forwarding adds hops, not bytes on the
     trainer's link)."""
     agent, slots, peers = engine._agent, engine._slots, engine._peers  # type: ignore[attr-defined]
-    heads = [peers[h] for h in engine._routes[engine.trainer_rank][1]]  # type: ignore[attr-defined]
+    routes = engine._routes  # type: ignore[attr-defined]
+    if engine.trainer_rank not in routes:  # routes come with the first update's header: the
+        return  # warm-up round's floor (not counted) runs before it
+    heads = [(h, peers[h]) for h in routes[engine.trainer_rank][1]]
     mem = engine._mem  # type: ignore[attr-defined]
     pending: list[Any] = []
 

@@ -29,6 +29,12 @@ class WeightSyncError(WeightbusError):
     """An update failed; raised on every rank of the update with the same reason."""
 
 
+class TransferFailed(WeightSyncError):
+    """A failure on an engine's data path (a peer that stopped answering or reading) that
+    left its control group intact: the rank still agrees the update's outcome over it, so
+    every rank learns why at once, and the group serves the next update as it is."""
+
+
 class ReplicasFailed(WeightSyncError):
     """An elastic engine's send reached some replicas but not all: :attr:`failed` maps
     each replica that did not get it to why; :attr:`stats` is the send's own record.

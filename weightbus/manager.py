@@ -288,8 +288,11 @@ class CheckpointEngineManager:
             phase("setup")
             sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
             recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
+            # (elastic engines: a replica that dies in an update costs the trainers one whole
+            # deadline when they agree the outcome with it, after the data path's own waits)
+            slack = 2.0 if getattr(self.engine_cls, "elastic", False) else 1.5
             results = self._wait([(self.trainer, sends), *zip(self.replicas, recvs, strict=True)],
-                                 f"update to version {version}", self.timeout * 1.5)
+                                 f"update to version {version}", self.timeout * slack)
             phase("transfer")
         except WeightSyncError as e:
             self._formed_for = None  # the next update re-forms the group (elastic: links the failed)
@@ -408,15 +411,42 @@ class CheckpointEngineManager:
         return None if whole else [r.name for r in new]
 
     def _relink(self, groups: Sequence[WorkerGroup]) -> None:
-        """Elastic engines: these groups failed; the next update links them again (all of
-        them when the trainer is among them)."""
-        if any(g is self.trainer for g in groups):
+        """Elastic engines: these groups failed an update. A replica whose link is still
+        whole on both sides (the failure was on the data path, and the outcome was agreed
+        over the link) keeps it; the others are linked again at the next update, and every
+        replica is when the trainer died, hangs or cannot say what it holds."""
+        if not getattr(self.engine_cls, "elastic", False) or self._served is None:
+            return
+        lost = {id(g) for g, _ in self._lost}
+        if id(self.trainer) in lost:
             self._served = None
             return
-        for g in groups:
-            lid = self._linked.pop(g.name, None)
+        suspects = [g for g in groups if g is not self.trainer]
+        held = self._links_held([self.trainer, *[g for g in suspects if id(g) not in lost]])
+        if held.get(id(self.trainer)) is None:
+            self._served = None
+            return
+        on_trainer = set.intersection(*map(set, held[id(self.trainer)]))  # type: ignore[arg-type]
+        for g in suspects:
+            lid = self._linked.get(g.name)
+            ranks = held.get(id(g))
+            if lid is not None and lid in on_trainer and ranks is not None and all(lid in r for r in ranks):
+                continue
+            self._linked.pop(g.name, None)
             if lid is not None:
                 self._stale.add(lid)
+
+    def _links_held(self, groups: Sequence[WorkerGroup]) -> dict[int, list[dict[str, int]] | None]:
+        """Each group's ranks' usable links (None: it did not answer within a short wait)."""
+        pending = [(g, g.submit("wb_links")) for g in groups]
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        out: dict[int, list[dict[str, int]] | None] = {}
+        for g, p in pending:
+            try:
+                out[id(g)] = p.result(max(0.1, deadline - time.monotonic()))
+            except WorkerError:
+                out[id(g)] = None
+        return out
 
     def _all(self, groups: Sequence[WorkerGroup], method: str, version: int,
              kwargs: dict[str, Any] | None = None) -> None:

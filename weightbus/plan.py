@@ -282,3 +282,12 @@ class BucketPlan:
 
     def owned_by(self, rank: int) -> list[Bucket]:
         return [b for b in self.buckets if b.owner == rank]
+
+
+def share_of(t: torch.Tensor, rank: int, world: int) -> tuple[int, torch.Tensor]:
+    """Sender ``rank``'s even 1/``world`` of a tensor every sender holds whole (what it
+    diffs and sends in delta mode): (its first element in the flattened tensor, the flat
+    piece, a view)."""
+    flat = t.reshape(-1)
+    lo, hi = flat.numel() * rank // world, flat.numel() * (rank + 1) // world
+    return lo, flat[lo:hi]

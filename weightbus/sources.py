@@ -17,7 +17,7 @@ from torch import nn
 
 from weightbus import comm, config
 from weightbus.errors import PlanError
-from weightbus.plan import Manifest, TensorMeta, unsendable
+from weightbus.plan import Manifest, TensorMeta, share_of, unsendable
 
 NameMap = Callable[[str], "str | None"]
 
@@ -125,9 +125,7 @@ class ModuleSource:
                     yield i, lo * per_row, t.to_local().reshape(-1)
                     continue
                 full = t.full_tensor() if _is_dtensor(t) else _detached(t)
-                flat = full.reshape(-1)
-                lo, hi = flat.numel() * rank // world, flat.numel() * (rank + 1) // world
-                yield i, lo, flat[lo:hi]
+                yield i, *share_of(full, rank, world)
 
     def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int,
                  into: Callable[[int], torch.Tensor | None] | None = None

@@ -61,6 +61,11 @@ class EngineHost:
         formed under), to see that a membership change left them alone."""
         return dict(getattr(self._wb_engine, "links", {}))
 
+    def wb_connections(self) -> dict[str, int]:
+        """``nixl``: the NIXL peers this rank is connected to (agent -> the serial its
+        connection was made under), to see that a membership change left them alone."""
+        return dict(getattr(self._wb_engine, "connections", {}))
+
     def wb_adopt(self, version: int, digest: int) -> None:
         """Delta mode: this rank holds, bitwise, what a peer that applied this chain of
         patches holds (it was filled from that peer): the next update can stay a delta."""

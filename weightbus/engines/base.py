@@ -30,7 +30,7 @@ import torch
 
 from weightbus import buffers, comm, config
 from weightbus.engines import delta as delta_mode
-from weightbus.errors import PlanError, WeightbusError, WeightSyncError
+from weightbus.errors import PlanError, TransferFailed, WeightbusError, WeightSyncError
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Bucket, BucketPlan, Manifest, TensorMeta
 
 Role = Literal["trainer", "rollout"]
@@ -651,15 +651,22 @@ class BucketEngine(CheckpointEngine):
         self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
 
     def _finish_settled(self, version: int, error: str | None) -> None:
-        """``_finish``, then (delta mode) record what this rank holds from now on."""
-        if not self.delta:
-            return self._finish(version, error)
+        """``_finish``, then (delta mode) record what this rank holds from now on. When the
+        agreement itself breaks after this rank had failed, its own reason comes first."""
         try:
             self._finish(version, error)
-        except BaseException:
-            delta_mode.settle(self, False)
+        except WeightSyncError as e:
+            if self.delta:
+                delta_mode.settle(self, False)
+            if error is not None and self._broken:
+                raise WeightSyncError(f"{error}; then agreeing the outcome failed: {e}") from e
             raise
-        delta_mode.settle(self, True)
+        except BaseException:
+            if self.delta:
+                delta_mode.settle(self, False)
+            raise
+        if self.delta:
+            delta_mode.settle(self, True)
 
     def _receive_delta(self, start: float, version: int, manifest: Manifest, error: str | None,
                        on_complete: Completion | None, batched: bool) -> Iterator[Any]:
@@ -788,9 +795,15 @@ class BucketEngine(CheckpointEngine):
         current: tuple[int, torch.Tensor | None] = (-1, None)
         wire = sent = 0
         mine_total = sum(1 for b in plan.buckets if self._packs(b)) if self.progress is not None else 0
+        down: str | None = None  # the data path failed: the stream is still walked, nothing sent
         for b in plan.buckets:
-            mine = self._packs(b)
-            slot = self._acquire(b) if mine else None
+            mine = self._packs(b) and down is None
+            slot = None
+            if mine:
+                try:
+                    slot = self._acquire(b)
+                except TransferFailed as e:
+                    down, mine = str(e), False
             tensors: list[torch.Tensor | None] = []
             if held is None:
                 for c in b.chunks:
@@ -821,7 +834,10 @@ class BucketEngine(CheckpointEngine):
                         error = f"{self.where()}: bucket {b.index}: {e}"
                 self._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
                                     buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
-                self._send(b, slot)  # type: ignore[arg-type]
+                try:
+                    self._send(b, slot)  # type: ignore[arg-type]
+                except TransferFailed as e:
+                    down = str(e)
                 wire += b.wire_bytes
                 sent += 1
                 if self.progress is not None:
@@ -832,8 +848,11 @@ class BucketEngine(CheckpointEngine):
             if extra is not None:
                 error = f"{self.where()}: the weight stream has more tensors than its manifest, " \
                         f"first extra {extra[0]!r}"
-        self._flush_send(plan)
-        return error, wire
+        try:
+            self._flush_send(plan)
+        except TransferFailed as e:
+            down = down or str(e)
+        return error or down, wire
 
     def _held_tensors(self, stream: _Stream) -> list[torch.Tensor] | None:
         """The stream's tensors where its source holds them all (checked in bulk; not again
@@ -936,50 +955,53 @@ class BucketEngine(CheckpointEngine):
         closed = False
         assembler = self._assembler(plan)
         buckets = plan.buckets
-        for b in buckets[: self.num_buffers]:
-            self._post_recv(b)
-        for b in buckets:
-            slot = self._wait_recv(b)
-            status, msg = buffers.check_trailer(slot, b, version, f"{self.where()}")
-            if status != buffers.STATUS_OK and error is None:
-                error = msg or f"{self.where()}: bucket {b.index} arrived with status {status}"
-            if error is None and not closed and batched:
-                self.version = None  # from the first byte written on, the old version is gone
-                try:
-                    batch = assembler.unpack_batch(slot, b)
-                except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
-                    error = f"{self.where()}: unpacking bucket {b.index}: {e}"
-                else:
+        try:  # a data-path failure that left the control group intact: agreed below
+            for b in buckets[: self.num_buffers]:
+                self._post_recv(b)
+            for b in buckets:
+                slot = self._wait_recv(b)
+                status, msg = buffers.check_trailer(slot, b, version, f"{self.where()}")
+                if status != buffers.STATUS_OK and error is None:
+                    error = msg or f"{self.where()}: bucket {b.index} arrived with status {status}"
+                if error is None and not closed and batched:
+                    self.version = None  # from the first byte written on, the old version is gone
                     try:
-                        yield batch
-                    except GeneratorExit:
-                        closed = True
-                        first = f" (its first tensor {batch[0][0]!r})" if batch else ""
-                        error = (f"{self.where()}: the consumer stopped reading in bucket {b.index}"
-                                 f"{first}; the update is incomplete")
-            elif error is None and not closed:
-                self.version = None  # from the first byte written on, the old version is gone
-                try:
-                    for item in assembler.unpack(slot, b):
+                        batch = assembler.unpack_batch(slot, b)
+                    except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
+                        error = f"{self.where()}: unpacking bucket {b.index}: {e}"
+                    else:
                         try:
-                            yield item
+                            yield batch
                         except GeneratorExit:
                             closed = True
-                            error = (f"{self.where()}: the consumer stopped reading at tensor "
-                                     f"{item[0]!r} (bucket {b.index}); the update is incomplete")
-                            break
-                except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
-                    error = f"{self.where()}: unpacking bucket {b.index}: {e}"
-            if on_release is not None and error is None and not closed:
-                try:
-                    on_release(slot)
-                except Exception as e:  # noqa: BLE001
-                    error = f"{self.where()}: releasing bucket {b.index}: {e}"
-            self._release(b)
-            if self.progress is not None:
-                self._report_progress(b.index + 1, len(buckets))
-            nxt = b.index + self.num_buffers
-            if nxt < len(buckets):
-                self._post_recv(buckets[nxt])
-        self._flush_recv(plan)
+                            first = f" (its first tensor {batch[0][0]!r})" if batch else ""
+                            error = (f"{self.where()}: the consumer stopped reading in bucket {b.index}"
+                                     f"{first}; the update is incomplete")
+                elif error is None and not closed:
+                    self.version = None  # from the first byte written on, the old version is gone
+                    try:
+                        for item in assembler.unpack(slot, b):
+                            try:
+                                yield item
+                            except GeneratorExit:
+                                closed = True
+                                error = (f"{self.where()}: the consumer stopped reading at tensor "
+                                         f"{item[0]!r} (bucket {b.index}); the update is incomplete")
+                                break
+                    except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere
+                        error = f"{self.where()}: unpacking bucket {b.index}: {e}"
+                if on_release is not None and error is None and not closed:
+                    try:
+                        on_release(slot)
+                    except Exception as e:  # noqa: BLE001
+                        error = f"{self.where()}: releasing bucket {b.index}: {e}"
+                self._release(b)
+                if self.progress is not None:
+                    self._report_progress(b.index + 1, len(buckets))
+                nxt = b.index + self.num_buffers
+                if nxt < len(buckets):
+                    self._post_recv(buckets[nxt])
+            self._flush_recv(plan)
+        except TransferFailed as e:
+            error = error or str(e)
         self._end_receive(start, version, manifest, error, closed, on_complete, plan.wire_bytes, len(plan))

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightbus import buffers
-from weightbus.plan import TRAILER_BYTES, Bucket, Manifest
+from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
 if TYPE_CHECKING:
     from weightbus.engines.base import BucketEngine
@@ -315,9 +315,7 @@ def pieces_of(stream: Any, rank: int, world: int) -> Iterator[tuple[int, int, to
         return
     everyone = frozenset(range(world))
     for index, (_, t) in enumerate(stream.open(None, lambda i: everyone, rank)):
-        flat = t.reshape(-1)
-        lo, hi = flat.numel() * rank // world, flat.numel() * (rank + 1) // world
-        yield index, lo, flat[lo:hi]
+        yield index, *share_of(t, rank, world)
 
 
 # ------------------------------------------------------------------ receiver side

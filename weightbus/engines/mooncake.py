@@ -33,24 +33,16 @@ no Mooncake API covers.
 
 from __future__ import annotations
 
-import contextlib
-import secrets
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from weightbus import buffers, comm, config
-from weightbus.engines.base import (
-    BucketEngine,
-    CheckpointEngineRegistry,
-    UpdateStats,
-    agree_buffers,
-    check_sides,
-)
-from weightbus.errors import PlanError, ReplicasFailed, WeightSyncError, as_timedelta
-from weightbus.plan import Bucket, BucketPlan, Manifest
+from weightbus.engines.base import CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.links import Link, LinkedEngine, close, link_topology, replicas_of
+from weightbus.errors import PlanError, WeightSyncError, as_timedelta
+from weightbus.plan import Bucket, BucketPlan
 
 #: seconds between polls of a read in flight
 _SPIN = 50e-6
@@ -69,21 +61,8 @@ def _mooncake_api() -> Any:
     return TransferEngine
 
 
-class _Link:
-    """Trainer side: the control group of one replica (the T trainer ranks, then the
-    replica's k ranks; its leader is rank T). Each replica has its own, so a replica that
-    joins, leaves or dies touches no other replica's connections."""
-
-    def __init__(self, link_id: str, size: int, pg: Any, serial: int):
-        self.id, self.size, self.pg, self.serial = link_id, size, pg, serial
-        self.fp: int | None = None  # the manifest this replica has seen
-        self.lost: str | None = None  # why it was lost during the current update
-        self.words: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> ACK being received
-        self.sent: list[tuple[Any, torch.Tensor]] = []  # READY words in flight
-
-
 @CheckpointEngineRegistry.register("mooncake")
-class MooncakeEngine(BucketEngine):
+class MooncakeEngine(LinkedEngine):
     """Replica leaders read buckets from the trainer ranks and relay them inside their
     replica (see the module doc). Elastic: replicas are linked to the trainers one by one
     (:meth:`link_replicas`, :meth:`attach`), and an update that loses one replica still
@@ -95,9 +74,6 @@ class MooncakeEngine(BucketEngine):
         protocol: the transfer engine's transport, ``tcp`` (default) or ``rdma``.
         device_name: RDMA device(s) for ``rdma`` (e.g. ``mlx5_0``); empty for ``tcp``.
     """
-
-    #: replicas join and leave without re-forming the others (the manager links them one by one)
-    elastic = True
 
     def __init__(self, bucket_size: int | None = None, *, replica_size: int = 1,
                  protocol: str = "tcp", device_name: str = "", **kwargs: Any):
@@ -114,21 +90,10 @@ class MooncakeEngine(BucketEngine):
         self._session = ""
         self._slots: list[torch.Tensor] = []
         self._registered: list[int] = []
-        self._store_server: Any = None
-        self._token = ""
-        self._master: tuple[str, int, str] | None = None  # trainer rank 0's store, and its token
-        self.T = self.R = 1
-        self._serial = 0  # control groups this engine has formed
-        # trainer side
-        self._links: dict[str, _Link] = {}
-        self._failed: dict[str, str] = {}  # replicas the last update lost or failed
         # rollout side
-        self._link = ""
-        self._link_serial = 0
         self._sources: dict[int, tuple[str, list[int]]] = {}  # trainer -> (session, slot addrs)
         self._is_leader = False
         self._replica: Any = None  # the replica's own group (k > 1)
-        self._replica_rank = 0
         self._version = 0
         self._words: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (peer, bucket) -> recv
         self._sent: list[tuple[Any, torch.Tensor]] = []  # isends in flight (tensors kept alive)
@@ -140,12 +105,7 @@ class MooncakeEngine(BucketEngine):
                                 **self.buffer_metadata(), "session": self._session,
                                 "slots": [s.data_ptr() for s in self._slots],
                                 "replica_size": self.replica_size, "replica": self.replica}
-        if self.role != "rollout":
-            if self._store_server is None:
-                self._store_server = comm.serve_store(self.timeout)
-            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
-            meta.update(port=self._store_server.port, token=self._token)
-        return meta
+        return self._store_metadata(meta)
 
     def _open(self) -> None:
         """The transfer engine (once per engine) and the slots, registered with it; slots
@@ -184,132 +144,52 @@ class MooncakeEngine(BucketEngine):
         check_sides(T, R, metadata)
         if "port" not in metadata[0]:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
-        replicas = _replicas([m.get("replica") for m in metadata[T:]],
-                             [m.get("replica_size", 1) for m in metadata[T:]])
+        replicas = replicas_of([m.get("replica") for m in metadata[T:]],
+                               [m.get("replica_size", 1) for m in metadata[T:]])
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
                   "bucket_size": agree_buffers(T, metadata)}
-        links = [(f"r{j}", size) for j, (_, size) in enumerate(replicas)]
-        sources = _sources(metadata[:T])
-        mine = [(f"r{j}", r - first, size) for j, (first, size) in enumerate(replicas)
-                for r in range(first, first + size)]
-        trainer = {key: [v] * T for key, v in common.items()} | {
-            "rank": list(range(T)), "links": [links] * T, "link": [None] * T, "sources": [{}] * T}
-        rollout = {key: [v] * R for key, v in common.items()} | {
-            "rank": list(range(T, T + R)), "links": [[]] * R, "link": mine,
-            "sources": [sources if me[1] == 0 else {} for me in mine]}  # the leaders read
-        return trainer, rollout
+        return link_topology(T, R, metadata, replicas, common)
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
                            master_addr: str, master_port: int, token: str,
                            links: list[tuple[str, int]] | None = None,
-                           link: tuple[str, int, int] | None = None, sources: dict[int, Any] | None = None,
+                           link: tuple[str, int, int] | None = None,
+                           trainers: list[dict[str, Any]] | None = None,
                            bucket_size: int | None = None) -> None:
         """Trainer ranks: ``links`` = (id, size) of every replica; rollout ranks: ``link`` =
-        (id, rank in the replica, size) of their own, and a leader's ``sources`` (the
-        trainers' sessions and slot addresses)."""
+        (id, rank in the replica, size) of their own; ``trainers``: every trainer rank's
+        metadata (a leader reads their slots)."""
         T, R = trainer_world_size, rollout_world_size
         self._take_place(rank, T, R, bucket_size)
         self._connect(master_addr, master_port, token)
         if rank < T:
+            self._trainer_metas = list(trainers or [])
             failed = self.link_replicas(list(links or []), list(self._links))
             if failed:
                 raise WeightSyncError("; ".join(failed.values()))
         elif link is None:
             raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
         else:
-            self._attach(link, sources or {})
+            self._join(link, list(trainers or []))
 
     rebuild_group = init_process_group
 
-    def _connect(self, addr: str, port: int, token: str) -> None:
-        if self._master != (addr, port, token):
-            self._drop_all()
-            self._store = comm.connect_store(addr, port, self.timeout, self.where())
-            self._master = (addr, port, token)
-        self._broken = None
-
-    # --- elastic membership (what the manager drives) ------------------------------------
-    def serve(self, rank: int, trainer_metadata: list[dict[str, Any]]) -> None:
-        """Trainer rank ``rank`` of ``len(trainer_metadata)`` (every trainer rank's
-        ``prepare()``, in rank order) takes its place; replicas are linked afterwards."""
-        T = len(trainer_metadata)
-        self._take_place(rank, T, 0, agree_buffers(T, trainer_metadata))
-        m = trainer_metadata[0]
-        self._connect(m["addr"], m["port"], m["token"])
-
-    def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> dict[str, str]:
-        """Trainer side: forget the replicas ``drop`` (ids; unknown ones are ignored), then
-        form a control group with each replica of ``add`` ((id, size); its ranks call
-        :meth:`attach` at the same time). No other replica's group is touched, and a
-        replica that does not come (it died) fails alone: returns {id: why} of those."""
-        for link_id in drop:
-            link = self._links.pop(link_id, None)
-            if link is not None:
-                _close(link.pg, link.lost is not None)
-        self._ctl_rank = self.trainer_rank  # in every link, the trainer ranks come first
-        failed: dict[str, str] = {}
-        for link_id, size in add:
-            if link_id in self._links:
-                raise PlanError(f"{self.where()}: replica link {link_id!r} exists already")
-            try:
-                pg = comm.new_group("gloo", self._store, f"wb/{self._master[2]}/{link_id}",  # type: ignore[index]
-                                    self.trainer_rank, self.T + size, self.timeout, None,
-                                    f"{self.where()} linking replica {link_id!r}")
-            except WeightSyncError as e:
-                failed[link_id] = str(e)
-                continue
-            self._serial += 1
-            self._links[link_id] = _Link(link_id, size, pg, self._serial)
-        self.R = sum(link.size for link in self._links.values())
-        self.world_size = self.T + self.R
-        return failed
-
-    def attach(self, trainer_metadata: list[dict[str, Any]], link: str, rank: int, size: int) -> None:
-        """Rollout side: rank ``rank`` of a replica of ``size`` ranks joins the trainers
-        (which call :meth:`link_replicas` with ``(link, size)`` at the same time)."""
-        T = len(trainer_metadata)
-        self._take_place(T + rank, T, size, agree_buffers(T, trainer_metadata))
-        self._open()
-        m = trainer_metadata[0]
-        self._connect(m["addr"], m["port"], m["token"])
-        self._attach((link, rank, size), _sources(trainer_metadata) if rank == 0 else {})
-
-    def _attach(self, link: tuple[str, int, int], sources: dict[int, Any]) -> None:
-        self._drop_all()
-        link_id, self._replica_rank, k = link
-        self._sources = {int(t): (s, list(a)) for t, (s, a) in sources.items()}
+    def _joined(self, prefix: str, k: int, trainer_metadata: list[dict[str, Any]]) -> None:
         self._is_leader = self._replica_rank == 0
+        self._sources = _sources(trainer_metadata) if self._is_leader else {}
         if self._is_leader and len(self._sources) != self.T:
             raise PlanError(f"{self.where()}: a replica leader needs the slots of all {self.T} trainer "
                             f"ranks, got {sorted(self._sources)}")
-        prefix = f"wb/{self._master[2]}/{link_id}"  # type: ignore[index]
-        self._ctl = comm.new_group("gloo", self._store, prefix, self.T + self._replica_rank, self.T + k,
-                                   self.timeout, None, f"{self.where()} joining as replica {link_id!r}")
-        self._ctl_rank = self.T + self._replica_rank
         if k > 1:
             self._replica = comm.new_group("gloo", self._store, f"{prefix}/replica", self._replica_rank,
                                            k, self.timeout, None, self.where())
-        self._serial += 1
-        self._link, self._link_serial = link_id, self._serial
-        self._peers_fingerprint = None
-
-    @property
-    def links(self) -> dict[str, int]:
-        """The control groups this rank holds: replica link id -> the serial number it was
-        formed under (a link re-formed gets a new one)."""
-        if self.role == "trainer":
-            return {link.id: link.serial for link in self._links.values()}
-        return {self._link: self._link_serial} if self._ctl is not None else {}
 
     def _drop_all(self) -> None:
-        for link in self._links.values():
-            _close(link.pg, link.lost is not None)
-        self._links = {}
-        for pg in (self._ctl, self._replica):
-            if pg is not None:
-                _close(pg, bool(self._broken))
-        self._ctl, self._replica, self._replica_rank = None, None, 0
+        super()._drop_all()
+        if self._replica is not None:
+            close(self._replica, bool(self._broken))
+        self._replica = None
         self._words, self._sent = {}, []
 
     def finalize(self, destroy_group: bool = False) -> None:
@@ -319,132 +199,6 @@ class MooncakeEngine(BucketEngine):
             self._unregister()
             self._slots, self._te, self._store_server = [], None, None
             self._forget_views()
-
-    # --- trainer side: one replica lost does not fail the others -----------------------------
-    def _check_ready(self, role: Any) -> None:
-        if role == self.role == "trainer" and not self._broken:  # its groups are the links
-            self._prune()
-            if not self._links:
-                raise WeightSyncError(f"{self.where()}: no replica is linked; call init_process_group() "
-                                      f"(or link_replicas()) first")
-            return
-        super()._check_ready(role)
-
-    def _prune(self) -> None:
-        """Forget the replicas an earlier update lost (the manager links them again if
-        they come back)."""
-        for link_id in [x.id for x in self._links.values() if x.lost]:
-            del self._links[link_id]
-
-    def _live(self) -> list[_Link]:
-        return [link for link in self._links.values() if link.lost is None]
-
-    def _lose(self, link: _Link, phase: str, e: BaseException) -> None:
-        """Replica ``link`` failed this update; the others go on."""
-        if link.lost is None:
-            link.lost = f"{phase}: {e}"
-            link.words.clear()
-            link.sent.clear()
-            _close(link.pg, True)
-
-    @contextlib.contextmanager
-    def _on(self, link: _Link, phase: str) -> Iterator[None]:
-        """Run the core's header or finish on one replica's group: a transport failure
-        there loses that replica only."""
-        self._ctl, self._peers_fingerprint, self._broken = link.pg, link.fp, None
-        try:
-            yield
-        finally:
-            link.fp = self._peers_fingerprint
-            if self._broken:
-                self._lose(link, phase, RuntimeError(self._broken))
-            self._ctl, self._broken = None, None
-
-    def _exchange_header(self, version: int, manifest: Manifest | None, error: str | None,
-                         ) -> tuple[int, Manifest]:
-        if self.role != "trainer":
-            return super()._exchange_header(version, manifest, error)
-        agreed: tuple[int, Manifest] | None = None
-        aborted: WeightSyncError | None = None
-        for link in self._live():
-            try:
-                with self._on(link, "header"):
-                    agreed = super()._exchange_header(version, manifest, error)
-            except WeightSyncError as e:
-                if link.lost is None:  # the sender root's abort, told to every replica
-                    aborted = aborted or e
-        if aborted is not None:
-            raise aborted
-        if agreed is None:
-            raise WeightSyncError(f"{self.where()}: update to version {version} reached no replica: "
-                                  + "; ".join(f"{x.id}: {x.lost}" for x in self._links.values()))
-        return agreed
-
-    def _finish(self, version: int, error: str | None) -> None:
-        if self.role != "trainer":
-            return super()._finish(version, error)
-        # every replica's outcome at once: one that never answers costs the others nothing
-        pending = {}
-        for link in self._live():
-            flags = self._outcome(error)
-            try:
-                pending[link.id] = (comm.allreduce_max(link.pg, flags), flags)
-            except Exception as e:  # noqa: BLE001
-                self._lose(link, "finish", e)
-        deadline = time.monotonic() + self.timeout
-        own: WeightSyncError | None = None
-        self._failed = {}
-        for link in self._live():
-            work, flags = pending[link.id]
-            try:
-                work.wait(as_timedelta(max(0.1, deadline - time.monotonic())))
-                with self._on(link, "finish"):
-                    self._finish_agreed(version, error, flags)
-            except WeightSyncError as e:
-                if getattr(e, "rank", self.T) < self.T:  # a trainer rank failed: every replica hears it
-                    own = own or e
-                elif link.lost is None:
-                    self._failed[link.id] = str(e)
-            except Exception as e:  # noqa: BLE001 - this replica's group failed
-                self._lose(link, "finish", e)
-        self._failed.update({x.id: x.lost for x in self._links.values() if x.lost})  # type: ignore[misc]
-        self._prune()
-        if own is not None:
-            raise own
-
-    def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
-        """Delta mode's agreements over one group per replica: each link reduces (the
-        trainers take part in every one), the trainers combine the links' results, and
-        trainer rank 0 tells every link the combined one, so every replica decides alike."""
-        if self.role != "trainer":
-            self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
-            self._ctl_wait(comm.broadcast(self._ctl, t, 0), phase)
-            return
-        mine = t.clone()
-        for link in self._live():
-            part = mine.clone()
-            try:
-                with self._on(link, phase):
-                    self._ctl_wait(comm.allreduce_max(link.pg, part), phase)
-            except WeightSyncError:
-                continue  # that replica is lost (recorded); the others go on
-            torch.maximum(t, part, out=t)
-        for link in self._live():
-            try:
-                with self._on(link, phase):
-                    self._ctl_wait(comm.broadcast(link.pg, t, 0), phase)
-            except WeightSyncError:
-                continue
-
-    async def send_weights(self, weights: Any, *, version: int | None = None) -> UpdateStats:
-        stats = await super().send_weights(weights, version=version)
-        if self._failed:
-            reached = [x for x in self._links if x not in self._failed]
-            raise ReplicasFailed(f"{self.where()}: version {stats.version} reached {len(reached)} "
-                                 f"replica(s) but failed on "
-                                 + "; ".join(f"replica {k!r} ({v})" for k, v in self._failed.items()),
-                                 dict(self._failed), stats)
-        return stats
 
     # --- control words -------------------------------------------------------------------
     def _who(self, rank: int) -> str:
@@ -467,7 +221,7 @@ class MooncakeEngine(BucketEngine):
             link.sent.clear()
 
     # trainer: READY to every live leader, ACK back; a failure loses that replica only
-    def _await_ack(self, link: _Link, b: int, phase: str) -> None:
+    def _await_ack(self, link: Link, b: int, phase: str) -> None:
         work, w = link.words.pop(b)
         try:
             # half the deadline: a replica that stopped reading is dropped from this update
@@ -581,37 +335,6 @@ class MooncakeEngine(BucketEngine):
             time.sleep(_SPIN)
 
 
-def _close(pg: Any, failed: bool) -> None:
-    """Drop a control group; one that failed is aborted first (its peers may be gone)."""
-    if failed:
-        try:
-            pg.abort()
-        except Exception:  # noqa: BLE001 - it failed already
-            pass
-
-
 def _sources(trainer_metadata: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]]:
     """What a leader reads from: every trainer rank's session and slot addresses."""
     return {t: (m["session"], list(m["slots"])) for t, m in enumerate(trainer_metadata)}
-
-
-def _replicas(names: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
-    """(first rollout rank, size) of every replica. Rollout ranks that name their replica
-    (``engine.replica``, which the manager sets) are grouped by name (a replica's ranks are
-    consecutive); otherwise every ``replica_size`` consecutive ranks form one."""
-    if names and all(n is not None for n in names):
-        out: list[tuple[int, int]] = []
-        for r, n in enumerate(names):
-            if r and n == names[r - 1]:
-                out[-1] = (out[-1][0], out[-1][1] + 1)
-            elif n in names[:r]:
-                raise PlanError(f"the ranks of replica {n!r} are not consecutive among the rollout ranks")
-            else:
-                out.append((r, 1))
-        return out
-    if len(set(sizes)) != 1:
-        raise PlanError(f"the rollout ranks disagree on replica_size: {sorted(set(sizes))}")
-    k, R = sizes[0], len(sizes)
-    if R % k:
-        raise PlanError(f"{R} rollout ranks do not split into replicas of {k}")
-    return [(first, k) for first in range(0, R, k)]

@@ -18,10 +18,17 @@ Every rank registers a ring of S = ``num_buffers`` slots; bucket b lands in slot
 every rollout. The writer of a slot must hold a *credit* for it: a rollout that is done with
 bucket b-S (unpacked, and forwarded) sends "credit b" to whoever writes bucket b into it (its
 upstream in tree b mod T); the first S credits go out when an update starts. Data and
-credits are NIXL notifications tagged with the group's formation and the version (and
-known by their sender), so nothing from a failed update is mistaken for the next one.
-Header and final status travel over the core's gloo control group, like every engine's, so
-a failure anywhere fails the update on every rank, and every wait has the engine's deadline.
+credits are NIXL notifications tagged with the update (trainer rank 0 numbers them), so
+nothing from a failed update is mistaken for the next one.
+
+Control plane: every replica is linked to the trainers on its own (:mod:`links`). Linked
+ranks tell the trainers their agent and slots; with each header trainer rank 0 tells each
+link its ranks' routes (when they changed), laid out over the replicas in the order they
+were linked. So a join, a leave or a death changes only the routes, and the connections,
+of that replica's neighbours. Mid-update, a rank that waits too long on a neighbour pings
+it; one that does not answer is gone: the ranks above it complete the update without it,
+the ranks below it fail theirs at once (told down their trees), and every replica agrees
+its outcome over its own link (see ``docs/backends/nixl.md``).
 
 NIXL (``pip install 'weightbus[nixl]'``) does the moving: we only decide who writes which
 slot when, which no NIXL API covers.
@@ -29,7 +36,9 @@ slot when, which no NIXL API covers.
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle  # control words among our own ranks
 import secrets
 import time
 from typing import Any
@@ -38,9 +47,12 @@ import torch
 
 from weightbus import buffers, comm, config
 from weightbus import topology as topology_mod
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
-from weightbus.errors import PlanError, WeightSyncError
+from weightbus.engines.base import CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.links import LinkedEngine, close, link_topology, replicas_of
+from weightbus.errors import PlanError, TransferFailed, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan
+
+_log = logging.getLogger("weightbus")
 
 #: seconds a wait sleeps between polls: short next to a bucket's transfer, long enough to
 #: leave the CPU to UCX's own threads and to the peer processes on the host
@@ -64,8 +76,10 @@ def _nixl_api() -> Any:
 
 
 @CheckpointEngineRegistry.register("nixl")
-class NixlEngine(BucketEngine):
-    """Chains (or trees) of NIXL one-sided writes (see the module doc).
+class NixlEngine(LinkedEngine):
+    """Chains (or trees) of NIXL one-sided writes (see the module doc). Elastic: replicas
+    are linked to the trainers one by one (:meth:`link_replicas`, :meth:`attach`), and a
+    join, leave or death changes only its neighbours' connections (:attr:`connections`).
 
     Args (besides the common ones):
         topology: ``auto`` (default: from the ranks' ``link_gbps``; a chain when they are
@@ -73,6 +87,8 @@ class NixlEngine(BucketEngine):
             rank writes to every rollout rank). Every rank gives the same.
         link_gbps: this rank's link rate (GB/s), for ``auto``.
     """
+
+    greets = True
 
     def __init__(self, bucket_size: int | None = None, *, topology: str = "auto",
                  link_gbps: float | None = None, **kwargs: Any):
@@ -82,56 +98,68 @@ class NixlEngine(BucketEngine):
         self.topology = topology
         self.link_gbps = None if link_gbps is None else \
             config.positive_seconds(link_gbps, "link_gbps", "GB/s")
-        self.fanout: topology_mod.Fanout | None = None  # what the group agreed on
-        self._routes: dict[int, tuple[int | None, list[int]]] = {}  # tree -> (upstream, downstream)
-        self._rank_of: dict[str, int] = {}  # peer agent name -> its rank
+        self.fanout: topology_mod.Fanout | None = None  # the shape of the current update's trees
+        self._routes: dict[int, tuple[str | None, list[str]]] = {}  # tree -> (upstream, downstream) agents
+        self._route_error = ""  # a neighbour this rank could not connect to
+        self._alive: dict[str, float] = {}  # neighbour -> when it last answered a ping
+        self._gone: dict[str, str] = {}  # ranks found dead or hung (by us or told) -> why
+        self._link_of: dict[str, Any] = {}  # trainer: a rollout rank's agent -> its link
         self._agent: Any = None
         self._agent_name = ""
         self._reg: Any = None
         self._slots: list[torch.Tensor] = []
-        self._store_server: Any = None
-        self._token = ""
-        self._formed = 0
-        self._formed_token = ""
-        self._peers: dict[int, tuple[str, list[tuple[int, int, int]]]] = {}  # rank -> (agent, slots)
-        self._inbox: set[tuple[str, int, int]] = set()  # ("d" | "c", bucket, from rank): this update
-        self._tag = ""  # formation/version of the current update
+        self._peers: dict[str, list[tuple[int, int, int]]] = {}  # connected agent -> its slots
+        self._labels: dict[str, str] = {}  # agent -> who it is, for errors
+        self._connected: dict[str, int] = {}  # agent -> the serial its connection was made under
+        self._connections = 0
+        self._updates = 0  # trainer rank 0 numbers the updates; the number tags every notification
+        self._news_for: dict[str, bytes] = {}  # trainer rank 0: each link's routes this update
+        self._inbox: set[tuple[str, int, str]] = set()  # ("d" | "c", bucket, from agent): this update
+        self._tag = ""  # the current update's
         self._writes: dict[Any, Any] = {}  # key -> (handle, peer, bucket, state) not yet waited on
-        self.T = self.R = 1
-        self._group_tag = ""
-        self._abort_reason = ""  # a neighbour's failure, told to us
-        self._told_abort = False
+        # this update's failures on the data path (each fails only what depends on it):
+        self._aborted: dict[tuple[str, int], str] = {}  # (neighbour, tree) it told us it lost -> why
+        self._cut: dict[str, str] = {}  # downstream neighbours no longer fed -> why
+        self._dead: dict[int, str] = {}  # trees whose buckets no longer reach us -> why
+        self._version = 0
 
     # --- lifecycle ---------------------------------------------------------------------
     @property
     def _mem(self) -> str:
         return "VRAM" if self.device.type == "cuda" else "DRAM"
 
+    @property
+    def _patience(self) -> float:
+        """How long a data-path wait lasts: half the deadline, so a rank cut off from its
+        upstream reports over its link before the trainers, whose agreement waits the whole
+        deadline, give up on it (and re-link it)."""
+        return self.timeout / 2
+
     def prepare(self) -> dict[str, Any]:
         self._register()
-        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
-                                **self.buffer_metadata(), "agent": self._agent_name,
-                                "nixl": self._agent.get_agent_metadata(),
-                                "slots": [self._desc(s) for s in self._slots],
-                                "topology": self.topology, "link_gbps": self.link_gbps}
-        if self.role != "rollout":
-            if self._store_server is None:
-                self._store_server = comm.serve_store(self.timeout)
-            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
-            meta.update(port=self._store_server.port, token=self._token)
-        return meta
+        return self._store_metadata({"addr": comm.local_address(), "device": str(self.device),
+                                     **self.buffer_metadata(), **self._greeting()})
+
+    def _greeting(self) -> dict[str, Any]:
+        return {"agent": self._agent_name, "nixl": self._agent.get_agent_metadata(),
+                "slots": [self._desc(s) for s in self._slots], "topology": self.topology,
+                "link_gbps": self.link_gbps, "replica": self.replica}
+
+    def _open(self) -> None:
+        if self._agent is None or not self._slots or self._slots[0].numel() < self.bucket_size:
+            self._register()
 
     def _desc(self, t: torch.Tensor) -> tuple[int, int, int]:
         return (t.data_ptr(), t.numel(), t.device.index or 0)
 
     def _register(self) -> None:
-        """A new agent for every formation, with the slots registered to it. Slots are
-        sized from this rank's own bucket size (the group may agree on a smaller one: a slot
-        larger than a bucket is fine) and kept while they are large enough.
+        """A new agent, with the slots registered to it (``prepare()``: a new formation).
+        Slots are sized from this rank's own bucket size (the group may agree on a smaller
+        one: a slot larger than a bucket is fine) and kept while they are large enough.
 
-        A new agent, not the old one with peers removed and added again: NIXL (1.5, UCX)
-        keeps a connection's descriptors after ``remove_remote_agent``, so a long job whose
-        replicas come and go would run out of them; dropping the agent frees them all."""
+        A new agent, not the old one with every peer removed: NIXL (1.5, UCX) keeps a
+        connection's descriptors after ``remove_remote_agent``; dropping the agent frees
+        them all. Between formations, connections change only where neighbours do."""
         keep = self._slots if self._slots and self._slots[0].numel() >= self.bucket_size else []
         self._drop_agent()
         nixl_agent, nixl_agent_config = self._api
@@ -153,161 +181,360 @@ class NixlEngine(BucketEngine):
         kinds = {m.get("topology", "auto") for m in metadata}
         if len(kinds) > 1:
             raise PlanError(f"the ranks disagree on topology: {sorted(kinds)}; give every rank the same")
-        rates = [m.get("link_gbps") for m in metadata]
-        fan = topology_mod.choose(T, R, kind=kinds.pop(),
-                                  sender_gbps=None if None in rates[:T] else min(rates[:T]),
-                                  receiver_gbps=None if None in rates[T:] else min(rates[T:]))
+        replicas = replicas_of([m.get("replica") for m in metadata[T:]], [1] * R)
         common = {"trainer_world_size": T, "rollout_world_size": R, "master_addr": metadata[0]["addr"],
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
-                  "bucket_size": agree_buffers(T, metadata), "fanout": (fan.sender, fan.relay)}
-        routes: dict[int, dict[int, tuple[int | None, list[int]]]] = {r: {} for r in range(T + R)}
-        for c in range(T):  # tree c carries trainer c's buckets
-            heads, children = topology_mod.layout(c, R, fan)
-            parent = topology_mod.parent_of(c, R, fan)
-            routes[c][c] = (None, [T + h for h in heads])
-            for x in range(R):
-                up = parent[x]
-                routes[T + x][c] = (c if up is None else T + up, [T + y for y in children[x]])
-
-        def peers(rank: int) -> dict[int, tuple[str, bytes, list]]:
-            # a rank talks to its neighbours in every tree only
-            near = {p for up, down in routes[rank].values() for p in [up, *down] if p is not None}
-            return {p: (metadata[p]["agent"], metadata[p]["nixl"], metadata[p]["slots"]) for p in near}
-
-        def side(rs: list[int]) -> dict[str, list]:
-            per_rank = {"rank": rs, "peers": [peers(r) for r in rs], "routes": [routes[r] for r in rs]}
-            return {k: [v] * len(rs) for k, v in common.items()} | per_rank
-        ranks = list(range(T + R))
-        return side(ranks[:T]), side(ranks[T:])
+                  "bucket_size": agree_buffers(T, metadata)}
+        return link_topology(T, R, metadata, replicas, common)
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
-                           master_addr: str, master_port: int, token: str, peers: dict[int, Any],
-                           routes: dict[int, tuple[int | None, list[int]]],
-                           fanout: tuple[int, int] = (1, 1), bucket_size: int | None = None) -> None:
-        """``routes``: for every trainer rank's tree, this rank's (upstream, downstream
-        ranks); ``fanout``: the tree's shape the group agreed on."""
+                           master_addr: str, master_port: int, token: str,
+                           links: list[tuple[str, int]] | None = None,
+                           link: tuple[str, int, int] | None = None,
+                           trainers: list[dict[str, Any]] | None = None,
+                           bucket_size: int | None = None) -> None:
+        """Trainer ranks: ``links`` = (id, size) of every replica; rollout ranks: ``link`` =
+        (id, rank in the replica, size) of their own; ``trainers``: every trainer rank's
+        metadata. The routes come with each update's header, from the trainers."""
         T, R = trainer_world_size, rollout_world_size
         self._take_place(rank, T, R, bucket_size)
-        self._drop_group()
-        self.fanout = topology_mod.Fanout(*fanout)
-        self._routes = {int(c): (up, list(down)) for c, (up, down) in routes.items()}
-        if token != self._formed_token:
-            self._formed_token, self._formed = token, 0
-        self._formed += 1
-        prefix = f"wb/{token}/{self._formed}"
-        for p, (name, agent_meta, slots) in peers.items():
-            try:
-                self._agent.add_remote_agent(agent_meta)
-            except Exception as e:  # noqa: BLE001 - e.g. UCX cannot reach it: it is gone
-                self._drop_group()
-                raise WeightSyncError(f"{self.where()}: forming the group: cannot connect to "
-                                      f"{self._who_in(p, T)}'s NIXL agent {name!r}: {e}") from e
-            self._peers[p] = (name, [tuple(s) for s in slots])
-            self._rank_of[name] = p
-        self._store = comm.connect_store(master_addr, master_port, self.timeout, self.where())
-        self._ctl = comm.new_group("gloo", self._store, f"{prefix}/ctl", rank, T + R, self.timeout,
-                                   None, self.where())
-        self._ctl_rank = rank
-        self._broken = None
-        self._peers_fingerprint = None
-        self._group_tag = f"{token}/{self._formed}"
-        self._abort_reason, self._told_abort = "", False
+        self._open()
+        self._connect(master_addr, master_port, token)
+        if rank < T:
+            self._trainer_metas = list(trainers or [])
+            failed = self.link_replicas(list(links or []), list(self._links))
+            if failed:
+                raise WeightSyncError("; ".join(failed.values()))
+        elif link is None:
+            raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
+        else:
+            self._join(link, list(trainers or []))
 
     rebuild_group = init_process_group
 
-    def _drop_group(self) -> None:
-        self._wait_writes(None)
-        for name, _ in self._peers.values():
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-        self._peers, self._rank_of = {}, {}
-        if self._ctl is not None and self._broken:
-            try:
-                self._ctl.abort()
-            except Exception:  # noqa: BLE001 - it failed already
-                pass
-        self._ctl = None
+    def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> dict[str, str]:
+        failed = super().link_replicas(add, drop)
+        for link_id, _ in add:  # a replica on another topology is refused (it refuses us too)
+            link = self._links.get(link_id)
+            theirs = {p.get("topology", "auto") for p in link.peers} if link is not None else set()
+            if theirs - {self.topology}:
+                close(self._links.pop(link_id).pg, True)
+                failed[link_id] = (f"{self.where()}: replica {link_id!r} asks for topology {sorted(theirs)}, "
+                                   f"the trainers for {self.topology!r}: give every rank the same")
+        return failed
+
+    def _joined(self, prefix: str, k: int, trainer_metadata: list[dict[str, Any]]) -> None:
+        theirs = {m.get("topology", "auto") for m in trainer_metadata}
+        if theirs - {self.topology}:
+            self._broken = "topology disagreement"
+            raise PlanError(f"{self.where()}: the ranks disagree on topology: the trainers ask for "
+                            f"{sorted(theirs)}, this rank for {self.topology!r}; give every rank the same")
+
+    @property
+    def connections(self) -> dict[str, int]:
+        """The NIXL peers this rank is connected to: agent name -> the serial its connection
+        was made under (a connection made again gets a new one)."""
+        return dict(self._connected)
 
     def _drop_agent(self) -> None:
         """Writes in flight end, the agent goes (and every connection with it)."""
         if self._agent is not None:
-            self._drop_group()
+            self._settle_writes()
             try:
                 if self._reg is not None:
                     self._agent.deregister_memory(self._reg)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         self._agent, self._reg = None, None
-
-    def _teardown_agent(self) -> None:
-        self._drop_agent()
-        self._slots = []
-        self._forget_views()
+        self._peers, self._connected, self._routes = {}, {}, {}
 
     def finalize(self, destroy_group: bool = False) -> None:
         if destroy_group:
-            self._teardown_agent()
-            self._store_server = None
+            self._drop_all()
+            self._drop_agent()
+            self._slots, self._master, self._store_server = [], None, None
+            self._forget_views()
         else:
-            self._wait_writes(None)
+            self._settle_writes()
+
+    # --- routes: laid out by the trainers each update, told with the header --------------
+    def _exchange_header(self, version: int, manifest: Any, error: str | None) -> Any:
+        if self.role == "trainer":
+            self._news_for = self._lay_out()
+        return super()._exchange_header(version, manifest, error)
+
+    def _lay_out(self) -> dict[str, bytes]:
+        """Trainer side: this update's trees over the linked replicas' ranks, in the order
+        they were linked (so a replica that joins or leaves moves only its neighbours);
+        connects this rank to its heads. Returns each link's news."""
+        T = self.T
+        order: list[tuple[str, dict[str, Any], str]] = []  # (agent, greeting, who) per rollout position
+        for link in self._live():
+            order += [(p["agent"], p, f"replica {link.id!r} rank {j}") for j, p in enumerate(link.peers)]
+        self._link_of = {p["agent"]: link for link in self._live() for p in link.peers}
+        self._labels.update((name, who) for name, _, who in order)
+        R = len(order)
+        rates = [m.get("link_gbps") for m in self._trainer_metas]
+        theirs = [p.get("link_gbps") for _, p, _ in order]
+        fan = topology_mod.choose(T, max(R, 1), kind=self.topology,
+                                  sender_gbps=None if None in rates else min(rates),
+                                  receiver_gbps=None if None in theirs or not theirs else min(theirs))
+        self.fanout = fan
+        trainers = [(m["agent"], m, f"trainer rank {t}") for t, m in enumerate(self._trainer_metas)]
+        heads, routes = self.routes([t[0] for t in trainers], [x[0] for x in order], fan)
+        known = {name: (g["nixl"], g["slots"], who) for name, g, who in trainers + order}
+        self._route({self.trainer_rank: (None, heads[self.trainer_rank])}, known)
+        news: dict[str, bytes] = {}
+        x = 0
+        for link in self._live() if self.trainer_rank == 0 else ():  # rank 0 tells every link
+            theirs_routes = routes[x:x + link.size]
+            x += link.size
+            near = {n for r in theirs_routes for up, down in r.values() for n in [up, *down] if n}
+            news[link.id] = pickle.dumps({"fanout": (fan.sender, fan.relay), "routes": theirs_routes,
+                                          "peers": {n: known[n] for n in sorted(near)}})
+        return news
+
+    @staticmethod
+    def routes(trainers: list[str], rollouts: list[str], fan: topology_mod.Fanout,
+               ) -> tuple[list[list[str]], list[dict[int, tuple[str, list[str]]]]]:
+        """The trees of one update: each trainer's heads, and each rollout's (upstream,
+        downstream) in every tree, by agent name; ``rollouts`` in their ring order."""
+        R = len(rollouts)
+        heads: list[list[str]] = []
+        routes: list[dict[int, tuple[str, list[str]]]] = [{} for _ in range(R)]
+        for c, trainer in enumerate(trainers):
+            first, children = topology_mod.layout(c, R, fan) if R else ([], {})
+            parent = topology_mod.parent_of(c, R, fan) if R else {}
+            heads.append([rollouts[h] for h in first])
+            for x in range(R):
+                up = parent[x]
+                routes[x][c] = (trainer if up is None else rollouts[up], [rollouts[y] for y in children[x]])
+        return heads, routes
+
+    def _news(self, link: Any) -> None:
+        """Per update, on each link: the update's number, and (when they changed) the
+        routes of the link's ranks with their neighbours' NIXL metadata."""
+        word = torch.zeros(2, dtype=torch.int64)
+        payload: bytes | None = None
+        if link is not None:
+            if self.trainer_rank == 0:
+                if link is self._live()[0]:
+                    self._updates += 1
+                payload = self._news_for.get(link.id, b"")
+                if payload == link.said:
+                    payload = b""
+                word[:] = torch.tensor([len(payload), self._updates])
+            link.said = self._news_for.get(link.id, b"")
+        self._ctl_wait(comm.broadcast(self._ctl, word, 0), "header routes")
+        n, self._updates = word.tolist()
+        if n:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+                torch.empty(n, dtype=torch.uint8)
+            self._ctl_wait(comm.broadcast(self._ctl, data, 0), "header routes")
+            if link is None:
+                news = pickle.loads(bytes(data.numpy()))
+                self.fanout = topology_mod.Fanout(*news["fanout"])
+                self._route(news["routes"][self._replica_rank], news["peers"])
+
+    def _route(self, routes: dict[int, tuple[str | None, list[str]]],
+               known: dict[str, tuple[bytes, list, str]]) -> None:
+        """Take ``routes`` (tree -> (upstream, downstream agents)): connect to neighbours
+        that are new, drop the ones that are no longer neighbours; the others stay as they
+        are. A neighbour that cannot be reached fails this update's data path."""
+        self._routes = {int(c): (up, list(down)) for c, (up, down) in routes.items()}
+        need = {n for up, down in self._routes.values() for n in [up, *down] if n}
+        self._route_error = ""
+        for name in [n for n in self._peers if n not in need]:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+            del self._peers[name]
+            self._connected.pop(name, None)
+        for name in sorted(need - set(self._peers)):
+            agent_meta, slots, who = known[name]
+            self._labels[name] = who
+            try:
+                self._agent.add_remote_agent(agent_meta)
+            except Exception as e:  # noqa: BLE001 - e.g. UCX cannot reach it: it is gone
+                self._route_error = self._route_error or \
+                    f"cannot connect to {who}'s NIXL agent {name!r}: {e}"
+                continue
+            self._peers[name] = [tuple(s) for s in slots]
+            self._connections += 1
+            self._connected[name] = self._connections
 
     # --- the current update's tag and mailbox ----------------------------------------
     def _begin(self, version: int) -> None:
-        self._tag = f"{self._group_tag}/{version}"
+        self._settle_writes()  # what a failed update left in flight
+        self._tag = f"{self._master[2] if self._master else ''}/{self._updates}"
         self._inbox.clear()
+        self._version = version
+        self._aborted, self._cut, self._dead, self._alive, self._gone = {}, {}, {}, {}, {}
+
+    def _settle_writes(self) -> None:
+        """Let writes in flight end (within our patience), without failing on them."""
+        deadline = time.monotonic() + self._patience
+        for key in list(self._writes):
+            handle, _, _, state = self._writes.pop(key)
+            while state == "PROC" and time.monotonic() < deadline:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception:  # noqa: BLE001 - the peer is gone
+                    break
+                time.sleep(_SPIN)
+            self._release_handle(handle)
 
     def _poll(self) -> None:
         prefix = self._tag + "/"
         try:
             notes = self._agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001
-            raise self._fail("reading notifications", e) from e
+            raise TransferFailed(f"{self.where()}: reading NIXL notifications failed: {e}") from e
         for agent, msgs in notes.items():
             for m in msgs:
                 kind, _, rest = m.decode(errors="replace").partition(":")
-                if kind == "a" and rest.startswith(self._group_tag + "/"):
-                    self._abort_reason = self._abort_reason or rest[len(self._group_tag) + 1:]
-                elif rest.startswith(prefix):  # anything else is from an update that failed
-                    self._inbox.add((kind, int(rest[len(prefix):]), self._rank_of.get(agent, -1)))
+                if not rest.startswith(prefix):  # from an update that failed
+                    continue
+                if kind == "a":  # "a:<tag>/<tree>/<why>": nothing more comes from it in that tree
+                    tree, _, why = rest[len(prefix):].partition("/")
+                    self._aborted.setdefault((agent, int(tree)), why)
+                elif kind == "g":  # "g:<tag>/<agent>/<why>": found gone; so it is for us, and we pass it on
+                    name, _, why = rest[len(prefix):].partition("/")
+                    self._heard_gone(name, agent, why)
+                elif kind == "p":  # a neighbour waiting on us asks whether we live
+                    self._say(agent, "k")
+                elif kind == "k":
+                    self._alive[agent] = time.monotonic()
+                else:
+                    self._inbox.add((kind, int(rest[len(prefix):]), agent))
 
-    def _fail(self, phase: str, e: BaseException) -> Any:
-        """A failure here is also told to every neighbour at once (a chain has no collective
-        that would carry it), so theirs waits end now, with our reason, not at their deadline."""
-        err = super()._fail(phase, e)
-        if not self._told_abort and self._agent is not None:
-            self._told_abort = True
-            note = f"a:{self._group_tag}/{str(err)[:512]}".encode()
-            for name, _ in self._peers.values():
+    def _say(self, peer: str, kind: str) -> None:
+        try:
+            self._agent.send_notif(peer, f"{kind}:{self._tag}/0".encode())
+        except Exception:  # noqa: BLE001 - it is gone: its waits end by their deadline
+            pass
+
+    def _tell_abort(self, peer: str, tree: int, why: str) -> None:
+        try:
+            self._agent.send_notif(peer, f"a:{self._tag}/{tree}/{why[:512]}".encode())
+        except Exception:  # noqa: BLE001 - best effort: it may be the one gone
+            pass
+
+    def _tree_lost(self, tree: int, why: str) -> None:
+        """Nothing more of tree ``tree`` reaches this rank in this update: its buckets fail
+        here (each says why), and the ranks below us in it are told at once, so their waits
+        end now with our reason, not at their deadline. Other trees go on: a rank that lost
+        one tree still forwards the others, so a death costs only the ranks below it."""
+        if tree in self._dead:
+            return
+        self._dead[tree] = why
+        for child in self._routes.get(tree, (None, []))[1]:
+            self._tell_abort(child, tree, f"{self.where()}: {why}")
+
+    def _sever(self, peer: str, why: str) -> None:
+        """``peer`` is gone or hangs: everything from it fails for this update, everything
+        to it stops, and the connection is dropped, so a hung peer that wakes up cannot
+        write a stale bucket into a slot that holds another one by then."""
+        for c, (up, down) in self._routes.items():
+            if up == peer:
+                self._tree_lost(c, f"{self._who(peer)}: {why}")
+            if peer in down:
+                self._cut_off(peer, f"tree {c}", why, gone=False)
+        self._found_gone(peer, why)
+        if peer in self._peers:
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+            del self._peers[peer]
+            self._connected.pop(peer, None)
+
+    def _found_gone(self, peer: str, why: str) -> None:
+        """``peer`` is dead or hung: tell every neighbour (each passes it on once), so the
+        other ranks that wait on it stop now instead of each after its own patience; a
+        trainer drops that replica from the update at once (no agreement waits on it)."""
+        if peer in self._gone:
+            return
+        self._gone[peer] = why
+        note = f"g:{self._tag}/{peer}/{why[:400]}".encode()
+        for name in self._peers:
+            if name != peer:
                 try:
                     self._agent.send_notif(name, note)
-                except Exception:  # noqa: BLE001 - best effort: it may be the one gone
+                except Exception:  # noqa: BLE001 - best effort
                     pass
-        return err
+        link = self._link_of.get(peer)
+        if link is not None and link.lost is None:
+            self._lose(link, "the data path", RuntimeError(f"{self._who(peer)}: {why}"))
 
-    def _await(self, kind: str, b: int, peer: int, phase: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        key = (kind, b, peer)
+    def _heard_gone(self, peer: str, teller: str, what: str) -> None:
+        if peer in self._gone:
+            return
+        why = f"{self._who(teller)} found it dead or hung ({what})"
+        if peer in self._peers:
+            self._sever(peer, why)
+        else:
+            self._found_gone(peer, why)
+
+    def _cut_off(self, peer: str, phase: str, why: str, gone: bool = True) -> None:
+        """A downstream neighbour is gone (``gone``), or stopped taking buckets: this rank
+        stops feeding it for the rest of the update and goes on (the neighbour's own subtree
+        fails, each rank saying so over its own link); it is told, in case it lives."""
+        if gone:
+            self._found_gone(peer, f"{phase}: {why}")
+        if peer in self._cut:
+            return
+        self._cut[peer] = f"{phase}: {why}"
+        _log.warning("%s: %s failed (%s); not feeding %s for the rest of this update",
+                     self.where(), phase, why, self._who(peer))
+        for key in [k for k, w in self._writes.items() if w[1] == peer]:
+            self._release_handle(self._writes.pop(key)[0])
+        for c, (_, down) in self._routes.items():
+            if peer in down:
+                self._tell_abort(peer, c, f"{self.where()}: cut off: {phase}: {why}")
+
+    def _await(self, kind: str, b: Bucket, peer: str, phase: str) -> bool:
+        """Wait for bucket ``b``'s data (``d``, from our upstream in its tree) or its
+        credit (``c``, from a downstream neighbour). False when it will not come: the tree
+        is lost here (data), or that neighbour is cut off (credit)."""
+        tree = b.owner
+        watch = _Watch(self, peer)
+        key = (kind, b.index, peer)
         while key not in self._inbox:
+            if (tree in self._dead) if kind == "d" else (peer in self._cut):
+                return False
             self._progress()
             self._poll()
             if key in self._inbox:
                 break
-            if self._abort_reason:
-                raise self._fail(phase, RuntimeError(f"a peer aborted: {self._abort_reason}"))
-            if time.monotonic() > deadline:
-                raise self._fail(phase, TimeoutError(
-                    f"no {'data' if kind == 'd' else 'credit'} for bucket {b} from "
-                    f"{self._who(peer)} within {self.timeout:.0f}s"))
+            told = self._aborted.get((peer, tree))
+            if told is not None:
+                if kind == "d":
+                    self._tree_lost(tree, f"{self._who(peer)} lost it: {told}")
+                else:
+                    self._cut_off(peer, phase, f"it failed: {told}", gone=False)
+                return False
+            late = watch.expired()
+            if late is not None:
+                what = "data" if kind == "d" else "credit"
+                why = f"no {what} for bucket {b.index} from {self._who(peer)} {late}"
+                if kind == "d":
+                    self._sever(peer, why)
+                else:
+                    self._cut_off(peer, phase, why)
+                return False
             time.sleep(_SPIN)
         self._inbox.discard(key)
+        return True
 
     def _progress(self) -> None:
         """Drive our writes in flight: UCX moves a write (and delivers its notification)
-        only while its initiator asks for its state; a write that failed fails the update
-        now, naming the peer."""
+        only while its initiator asks for its state. Every write goes downstream: one that
+        failed cuts its peer off."""
         for key, (handle, peer, b, state) in list(self._writes.items()):
+            if key not in self._writes:
+                continue  # its peer was cut off in this loop
             if state == "PROC":
                 try:
                     state = self._agent.check_xfer_state(handle)
@@ -317,63 +544,60 @@ class NixlEngine(BucketEngine):
             if state not in ("PROC", "DONE"):
                 self._writes.pop(key)
                 self._release_handle(handle)
-                raise self._fail(f"write bucket {b} to {self._who(peer)}",
-                                 RuntimeError(f"NIXL reports {state} (is it gone?)"))
+                self._cut_off(peer, f"write bucket {b} to {self._who(peer)}",
+                              f"NIXL reports {state} (is it gone?)")
 
-    def _who(self, rank: int) -> str:
-        return self._who_in(rank, self.T)
+    def _who(self, agent: str | None) -> str:
+        return self._labels.get(agent or "", f"NIXL agent {agent!r}")
 
-    @staticmethod
-    def _who_in(rank: int, T: int) -> str:
-        return f"trainer rank {rank}" if rank < T else f"rollout rank {rank - T}"
-
-    def _notify(self, peer: int, kind: str, b: int) -> None:
+    def _notify(self, peer: str, kind: str, b: int) -> None:
         try:
-            self._agent.send_notif(self._peers[peer][0], f"{kind}:{self._tag}/{b}".encode())
+            self._agent.send_notif(peer, f"{kind}:{self._tag}/{b}".encode())
         except Exception as e:  # noqa: BLE001 - NIXL raises when the peer is gone
-            raise self._fail(f"credit for bucket {b} to {self._who(peer)}", e) from e
+            self._sever(peer, f"credit for bucket {b} failed: {e}")
 
-    def _write(self, key: Any, src: torch.Tensor, peer: int, b: Bucket) -> None:
+    def _write(self, key: Any, src: torch.Tensor, peer: str, b: Bucket) -> None:
         """Post a write of ``src`` into ``peer``'s slot for bucket ``b``; the notification
-        that it landed travels with it."""
-        name, slots = self._peers[peer]
+        that it landed travels with it. A write that cannot start cuts the peer off."""
+        slots = self._peers[peer]
         addr, _, dev = slots[b.index % len(slots)]
+        phase = f"write bucket {b.index} to {self._who(peer)}"
         try:
             mine = (src.data_ptr(), b.wire_bytes, src.device.index or 0)
             local = self._agent.get_xfer_descs([mine], self._mem)
             remote = self._agent.get_xfer_descs([(addr, b.wire_bytes, dev)], self._mem)
             note = f"d:{self._tag}/{b.index}".encode()
-            handle = self._agent.initialize_xfer("WRITE", local, remote, name, note)
+            handle = self._agent.initialize_xfer("WRITE", local, remote, peer, note)
         except Exception as e:  # noqa: BLE001 - NIXL raises when the peer is gone
-            raise self._fail(f"write bucket {b.index} to {self._who(peer)}", e) from e
+            return self._cut_off(peer, phase, str(e))
         try:
             state = self._agent.transfer(handle)
         except Exception as e:  # noqa: BLE001
             self._release_handle(handle)
-            raise self._fail(f"write bucket {b.index} to {self._who(peer)}", e) from e
+            return self._cut_off(peer, phase, str(e))
         if state == "ERR":
             self._release_handle(handle)
-            raise self._fail(f"write bucket {b.index} to {self._who(peer)}",
-                             RuntimeError("NIXL refused the transfer"))
+            return self._cut_off(peer, phase, "NIXL refused the transfer")
         self._writes[key] = (handle, peer, b.index, state)
 
     def _wait_writes(self, key: Any) -> None:
-        """Until the writes whose keys start with ``key`` (None: every write) have landed."""
+        """Until the writes whose keys start with ``key`` (None: every write) have landed,
+        or their peers are cut off."""
         keys = list(self._writes) if key is None else [k for k in self._writes if k[:len(key)] == key]
         for k in keys:
-            deadline = time.monotonic() + self.timeout
+            if k not in self._writes:
+                continue
+            peer = self._writes[k][1]
+            watch = _Watch(self, peer)
             while k in self._writes and self._writes[k][3] == "PROC":
-                try:
-                    self._progress()
-                except Exception:
-                    if key is None and self._broken:
-                        break  # tearing down after a failure
-                    raise
+                self._progress()
+                self._poll()  # (and answer pings meanwhile)
                 if k in self._writes and self._writes[k][3] == "PROC":
-                    if time.monotonic() > deadline:
-                        _, peer, b, _ = self._writes[k]
-                        raise self._fail(f"write bucket {b} to {self._who(peer)}",
-                                         TimeoutError(f"still in flight after {self.timeout:.0f}s"))
+                    late = watch.expired()
+                    if late is not None:
+                        self._cut_off(peer, f"write bucket {self._writes[k][2]} to {self._who(peer)}",
+                                      f"still in flight {late}")
+                        break
                     time.sleep(_SPIN)
             if k in self._writes:
                 self._release_handle(self._writes.pop(k)[0])
@@ -392,6 +616,8 @@ class NixlEngine(BucketEngine):
         return plan.owners_of(index)
 
     def _acquire(self, b: Bucket) -> torch.Tensor:
+        if self._route_error:
+            raise TransferFailed(f"{self.where()}: send bucket {b.index} failed: {self._route_error}")
         s = (b.index // self.T) % self.num_buffers  # this trainer's own buckets, in turn
         self._wait_writes(("out", s))
         return self._slots[s]
@@ -400,24 +626,30 @@ class NixlEngine(BucketEngine):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # packed before NIXL reads it
         for head in self._routes[b.owner][1]:
-            self._await("c", b.index, head, f"send bucket {b.index} to {self._who(head)}: waiting for "
-                                            f"a free slot")
-            self._write(("out", (b.index // self.T) % self.num_buffers, head), slot, head, b)
+            if self._await("c", b, head, f"send bucket {b.index} to {self._who(head)}: waiting "
+                                               f"for a free slot"):
+                self._write(("out", (b.index // self.T) % self.num_buffers, head), slot, head, b)
 
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_writes(None)
 
     def _post_recv(self, b: Bucket) -> None:
-        # slot b mod S is free here: whoever writes bucket b into it may go ahead
-        self._notify(self._routes[b.owner][0], "c", b.index)  # type: ignore[arg-type]
+        if self._route_error:
+            raise TransferFailed(f"{self.where()}: receive bucket {b.index} failed: {self._route_error}")
+        if b.owner not in self._dead:  # slot b mod S is free here: its writer may go ahead
+            self._notify(self._routes[b.owner][0], "c", b.index)  # type: ignore[arg-type]
 
     def _wait_recv(self, b: Bucket) -> torch.Tensor:
         up, down = self._routes[b.owner]
-        self._await("d", b.index, up, f"receive bucket {b.index} from {self._who(up)}")  # type: ignore[arg-type]
         slot = self._slots[b.index % self.num_buffers]
+        if not self._await("d", b, up, f"receive bucket {b.index} from {self._who(up)}"):  # type: ignore[arg-type]
+            # lost on the way (no write can land here any more): the bucket fails with why
+            self._stamper.stamp(slot, b, self._version, buffers.STATUS_ABORT,
+                                f"{self.where()}: bucket {b.index} never came: {self._dead[b.owner]}")
+            return slot
         for nxt in down:  # pass it on while we unpack it
-            self._await("c", b.index, nxt, f"forward bucket {b.index} to {self._who(nxt)}")
-            self._write(("fwd", b.index, nxt), slot, nxt, b)
+            if self._await("c", b, nxt, f"forward bucket {b.index} to {self._who(nxt)}"):
+                self._write(("fwd", b.index, nxt), slot, nxt, b)
         return slot
 
     def _release(self, b: Bucket) -> None:
@@ -427,3 +659,33 @@ class NixlEngine(BucketEngine):
 
     def _flush_recv(self, plan: BucketPlan) -> None:
         self._wait_writes(None)
+
+
+class _Watch:
+    """One wait on one neighbour. After ``patience`` without what we wait for, the
+    neighbour is pinged: one that answers lives (and is itself waiting on someone: a rank
+    answers whenever it waits), and is waited for again, up to the whole deadline; one that
+    does not answer within a grace period is dead or hung, and is given up on. So only the
+    ranks next to a lost one give up on it, whatever the trees look like."""
+
+    def __init__(self, engine: NixlEngine, peer: str):
+        self.engine, self.peer = engine, peer
+        self.start = time.monotonic()
+        self.deadline = self.start + engine._patience
+        self.probe: float | None = None
+
+    def expired(self) -> str | None:
+        """None while the wait goes on; else why it ends."""
+        e, now = self.engine, time.monotonic()
+        if self.probe is not None and e._alive.get(self.peer, -1.0) >= self.probe:
+            self.probe = None  # it lives: wait on, but never past the engine's deadline
+            self.deadline = min(now + e._patience, self.start + e.timeout)
+        if now <= self.deadline:
+            return None
+        if self.probe is None and now < self.start + e.timeout:
+            self.probe, self.deadline = now, now + min(e._patience / 2, 2.0)
+            e._say(self.peer, "p")
+            return None
+        if self.probe is None:
+            return f"within the deadline ({e.timeout:.0f}s), though it answers"
+        return f"within {self.probe - self.start:.1f}s, and it did not answer a ping"
