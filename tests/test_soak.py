@@ -83,6 +83,7 @@ def test_soak(backend):
             if v == 2:  # warmed up: the baseline every later reading is compared with
                 start, shm_start = _usage([trainer, stay]), _shm()
                 stay_links = call(stay, "wb_links", timeout=30)
+                stay_conns = call(stay, "wb_connections", timeout=30)
             if v % CHURN == 0 and v < UPDATES:
                 new = LocalWorkerGroup(Rollout, 1, name=f"churn{made}")
                 made += 1
@@ -92,8 +93,10 @@ def test_soak(backend):
                 old.shutdown(timeout=5)
                 churn.append(new)
         end, shm_end = _usage([trainer, stay]), _shm()
-        if backend in MOONCAKE:  # elastic: the churn never touched the staying replica's links
+        if backend in MOONCAKE + NIXL:  # elastic: the churn never touched the staying replica's links
             assert call(stay, "wb_links", timeout=30) == stay_links and rebuilt == 1, (stay_links, rebuilt)
+        if backend in NIXL:  # chain trainer -> stay 0 -> stay 1 -> churn: stay 0 is no churner's neighbour
+            assert call(stay, "wb_connections", timeout=30)[0] == stay_conns[0]
         print(f"\nsoak {backend}: {UPDATES} updates, {verified} replica ranks verified bitwise, "
               f"{made - 1} joins and leaves, {rebuilt} re-formations; /dev/shm entries "
               f"{shm_before} -> {shm_start} -> {shm_end}")
