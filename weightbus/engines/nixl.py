@@ -130,9 +130,9 @@ class NixlEngine(LinkedEngine):
 
     @property
     def _patience(self) -> float:
-        """How long a data-path wait lasts: half the deadline, so a rank cut off from its
-        upstream reports over its link before the trainers, whose agreement waits the whole
-        deadline, give up on it (and re-link it)."""
+        """How long a data-path wait lasts before the neighbour is pinged (:class:`_Watch`):
+        half the deadline, so a rank cut off from a dead upstream reports over its link
+        before the trainers, whose agreement waits the whole deadline, give up on it."""
         return self.timeout / 2
 
     def prepare(self) -> dict[str, Any]:
