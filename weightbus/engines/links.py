@@ -108,6 +108,31 @@ class LinkedEngine(BucketEngine):
             self._master = (addr, port, token)
         self._broken = None
 
+    def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
+                           master_addr: str, master_port: int, token: str,
+                           links: list[tuple[str, int]] | None = None,
+                           link: tuple[str, int, int] | None = None,
+                           trainers: list[dict[str, Any]] | None = None,
+                           bucket_size: int | None = None) -> None:
+        """What :func:`link_topology` hands out, all replicas at once. Trainer ranks:
+        ``links`` = (id, size) of every replica; rollout ranks: ``link`` = (id, rank in the
+        replica, size) of their own; ``trainers``: every trainer rank's metadata."""
+        T, R = trainer_world_size, rollout_world_size
+        self._take_place(rank, T, R, bucket_size)
+        self._open()
+        self._connect(master_addr, master_port, token)
+        if rank < T:
+            self._trainer_metas = list(trainers or [])
+            failed = self.link_replicas(list(links or []), list(self._links))
+            if failed:
+                raise WeightSyncError("; ".join(failed.values()))
+        elif link is None:
+            raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
+        else:
+            self._join(link, list(trainers or []))
+
+    rebuild_group = init_process_group
+
     def serve(self, rank: int, trainer_metadata: list[dict[str, Any]]) -> None:
         """Trainer rank ``rank`` of ``len(trainer_metadata)`` (every trainer rank's
         ``prepare()``, in rank order) takes its place; replicas are linked afterwards."""

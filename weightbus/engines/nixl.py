@@ -49,7 +49,7 @@ from weightbus import buffers, comm, config
 from weightbus import topology as topology_mod
 from weightbus.engines.base import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.links import LinkedEngine, close, link_topology, replicas_of
-from weightbus.errors import PlanError, TransferFailed, WeightSyncError
+from weightbus.errors import PlanError, TransferFailed
 from weightbus.plan import Bucket, BucketPlan
 
 _log = logging.getLogger("weightbus")
@@ -186,31 +186,6 @@ class NixlEngine(LinkedEngine):
                   "master_port": metadata[0]["port"], "token": metadata[0]["token"],
                   "bucket_size": agree_buffers(T, metadata)}
         return link_topology(T, R, metadata, replicas, common)
-
-    def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
-                           master_addr: str, master_port: int, token: str,
-                           links: list[tuple[str, int]] | None = None,
-                           link: tuple[str, int, int] | None = None,
-                           trainers: list[dict[str, Any]] | None = None,
-                           bucket_size: int | None = None) -> None:
-        """Trainer ranks: ``links`` = (id, size) of every replica; rollout ranks: ``link`` =
-        (id, rank in the replica, size) of their own; ``trainers``: every trainer rank's
-        metadata. The routes come with each update's header, from the trainers."""
-        T, R = trainer_world_size, rollout_world_size
-        self._take_place(rank, T, R, bucket_size)
-        self._open()
-        self._connect(master_addr, master_port, token)
-        if rank < T:
-            self._trainer_metas = list(trainers or [])
-            failed = self.link_replicas(list(links or []), list(self._links))
-            if failed:
-                raise WeightSyncError("; ".join(failed.values()))
-        elif link is None:
-            raise PlanError(f"{self.where()}: a rollout rank needs its link (id, rank in replica, size)")
-        else:
-            self._join(link, list(trainers or []))
-
-    rebuild_group = init_process_group
 
     def link_replicas(self, add: list[tuple[str, int]], drop: list[str]) -> dict[str, str]:
         failed = super().link_replicas(add, drop)
