@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -495,6 +496,8 @@ class BucketEngine(CheckpointEngine):
         #: delta mode: whether the last update went full (every element) rather than as changes
         self.last_full: bool | None = None
         self._ctl: Any = None  # gloo control group (header, final status)
+        self._store_server: Any = None  # trainer ranks: the rendezvous store they serve
+        self._token = ""
         self._ctl_rank = -1
         self._broken: str | None = None  # why the group cannot be used any more
         self._peers_fingerprint: int | None = None  # sender root: what the group has seen
@@ -514,6 +517,17 @@ class BucketEngine(CheckpointEngine):
     def _begin(self, version: int) -> None:
         """The header is through: an update to ``version`` starts on this rank (engines
         with per-update transport state reset it here)."""
+
+    def _store_metadata(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """``prepare()``'s metadata; a trainer rank also serves a rendezvous store (any
+        trainer may become rank 0, whose store the group meets at) under a fresh token per
+        ``prepare()``, so members that join later never meet an earlier membership's keys."""
+        if self.role != "rollout":
+            if self._store_server is None:
+                self._store_server = comm.serve_store(self.timeout)
+            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
+            meta.update(port=self._store_server.port, token=self._token)
+        return meta
 
     def _take_place(self, rank: int, T: int, R: int, bucket_size: int | None) -> None:
         """An engine with registered slots (``_slots``) joining a formation: this rank's

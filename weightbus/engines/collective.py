@@ -12,7 +12,6 @@ rollouts T..T+R-1):
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import torch
@@ -38,8 +37,6 @@ class CollectiveEngine(BucketEngine):
         if pg_backend == "nccl" and self.device.type != "cuda":
             raise PlanError(f"backend 'nccl' needs a CUDA device, got {self.device}")
         self.pg_backend = pg_backend
-        self._store_server: Any = None
-        self._token = ""
         self._slots: list[torch.Tensor] = []
         self._data: dict[int, Any] = {}  # trainer rank -> data group
         self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
@@ -49,17 +46,8 @@ class CollectiveEngine(BucketEngine):
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         # buckets are allocated once the group agrees on their size (init_process_group)
-        meta: dict[str, Any] = {"addr": comm.local_address(), "device": str(self.device),
-                                **self.buffer_metadata()}
-        if self.role != "rollout":
-            # Any trainer may become rank 0; the store of rank 0 is the rendezvous.
-            if self._store_server is None:
-                self._store_server = comm.serve_store(self.timeout)
-            # a fresh namespace per prepare(): members that join later never meet the
-            # group counters of an earlier membership
-            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
-            meta.update(port=self._store_server.port, token=self._token)
-        return meta
+        return self._store_metadata({"addr": comm.local_address(), "device": str(self.device),
+                                     **self.buffer_metadata()})
 
     def _allocate(self) -> None:
         if not self._slots:

@@ -27,7 +27,6 @@ frees them).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -69,8 +68,6 @@ class ColocatedEngine(BucketEngine):
         self._queue: asyncio.Queue | None = None
         self._queue_loop: asyncio.AbstractEventLoop | None = None
         self._receiver_gone = False
-        self._store_server: Any = None
-        self._token = ""
         self._formed = 0  # how many times a group was formed under _formed_token
         self._formed_token = ""
         self._shared: list[buffers.SharedBuffer] = []
@@ -91,21 +88,16 @@ class ColocatedEngine(BucketEngine):
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"host": socket.gethostname(), "addr": comm.local_address(),
-                                "device": str(self.device)}
+        meta = self._store_metadata({"host": socket.gethostname(), "addr": comm.local_address(),
+                                     "device": str(self.device)})
         if self.role != "rollout":
-            if self._store_server is None:
-                self._store_server = comm.serve_store(self.timeout)
-            # a fresh namespace per prepare(): members that join later never meet the
-            # group counters of an earlier membership
-            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
             if any(not sb.linked for sb in self._shared):  # unlinked: new members cannot map them
                 self._forget_views()
                 for sb in self._shared:
                     sb.close()
                 self._shared, self._slots = [], []
             self._allocate_slots()
-            meta.update(port=self._store_server.port, token=self._token, slots=self._export_slots())
+            meta["slots"] = self._export_slots()
         elif self._dest is not None and self._want_direct and self._can_export(self._dest):
             from torch.multiprocessing.reductions import reduce_tensor
             meta["direct"] = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),

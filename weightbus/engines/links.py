@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle  # control words among our own ranks
-import secrets
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -62,8 +61,6 @@ class LinkedEngine(BucketEngine):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._store_server: Any = None
-        self._token = ""
         self._master: tuple[str, int, str] | None = None  # trainer rank 0's store, and its token
         self._serial = 0  # control groups this engine has formed
         self.T = self.R = 1
@@ -92,15 +89,6 @@ class LinkedEngine(BucketEngine):
         """After the header on one link (``None``: a rollout rank's own): per-update words."""
 
     # --- formation -----------------------------------------------------------------------
-    def _store_metadata(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """``prepare()``'s metadata; trainer rank 0 also serves the store every link meets at."""
-        if self.role != "rollout":
-            if self._store_server is None:
-                self._store_server = comm.serve_store(self.timeout)
-            self._token = f"{self._store_server.port}-{id(self):x}-{secrets.token_hex(6)}"
-            meta.update(port=self._store_server.port, token=self._token)
-        return meta
-
     def _connect(self, addr: str, port: int, token: str) -> None:
         if self._master != (addr, port, token):
             self._drop_all()
