@@ -320,12 +320,7 @@ class NixlEngine(LinkedEngine):
         need = {n for up, down in self._routes.values() for n in [up, *down] if n}
         self._route_error = ""
         for name in [n for n in self._peers if n not in need]:
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-            del self._peers[name]
-            self._connected.pop(name, None)
+            self._disconnect(name)
         for name in sorted(need - set(self._peers)):
             agent_meta, slots, who = known[name]
             self._labels[name] = who
@@ -418,12 +413,15 @@ class NixlEngine(LinkedEngine):
                 self._cut_off(peer, f"tree {c}", why, gone=False)
         self._found_gone(peer, why)
         if peer in self._peers:
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-            del self._peers[peer]
-            self._connected.pop(peer, None)
+            self._disconnect(peer)
+
+    def _disconnect(self, peer: str) -> None:
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+        del self._peers[peer]
+        self._connected.pop(peer, None)
 
     def _found_gone(self, peer: str, why: str) -> None:
         """``peer`` is dead or hung: tell every neighbour (each passes it on once), so the
