@@ -250,3 +250,63 @@ def test_float32_sources_cast_to_a_bfloat16_wire_dtype(wire, bucket_size, n_send
     _check_arrived(wire, _send_and_receive(plan, packer, slots, sources, None), expected, any_nan=True)
     dest = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in wire}
     _check_arrived(wire, _send_and_receive(plan, packer, slots, sources, dest), expected, any_nan=True)
+
+
+# ---------------------------------------------------------------------------- homes
+
+
+@st.composite
+def held_manifests(draw):
+    """A manifest whose tensors are held on some sender ranks only (pipeline stages and
+    experts), in runs, as Megatron's are; None: any rank."""
+    m, n = draw(manifests()), draw(st.integers(2, 5))
+    homes, run = [], None
+    for _ in m:
+        if run is None or draw(st.integers(0, 3)) == 0:
+            run = draw(st.one_of(st.none(), st.frozensets(st.integers(0, n - 1), min_size=1)))
+        homes.append(run)
+    return Manifest(m.metas, homes), n
+
+
+@SETTINGS
+@given(mn=held_manifests(), bucket_size=bucket_sizes)
+def test_homes_every_bucket_packed_where_all_its_tensors_are_held(mn, bucket_size):
+    m, n = mn
+    plan = BucketPlan(m, bucket_size, n)
+    turns = [0] * n
+    for b in plan.buckets:
+        assert b.turn == turns[b.owner]  # slots cycle by it: consecutive per owner
+        turns[b.owner] += 1
+        for c in b.chunks:
+            if c.nbytes and m.homes is not None and m.homes[c.index] is not None:
+                assert b.owner in m.homes[c.index], (b, m.homes[c.index])
+    # the bytes are the same as without homes, only cut at other places
+    wired = Manifest.from_bytes(m.to_bytes())
+    assert wired.homes == m.homes and wired.fingerprint == m.fingerprint
+    assert BucketPlan(wired, bucket_size, n).buckets == plan.buckets
+    assert m.same_tensors(Manifest(m.metas))
+    if m.homes is not None:
+        assert m.fingerprint != Manifest(m.metas).fingerprint  # the plan differs: so must the header
+
+
+def test_homes_balance_and_keep_a_split_tensor_with_one_owner():
+    f32 = torch.float32
+    # every tensor held by ranks 0 and 1: the bytes split evenly, a split tensor whole on one
+    m = Manifest([TensorMeta("big", f32, (5000,))] + [TensorMeta(f"t{i}", f32, (1000,)) for i in range(8)],
+                 homes=[{0, 1}] * 9)
+    plan = BucketPlan(m, 4096 + TRAILER_BYTES, 2)
+    load = [sum(b.used for b in plan.buckets if b.owner == r) for r in (0, 1)]
+    assert abs(load[0] - load[1]) <= 4000, load
+    assert len(plan.owners_of(0)) == 1
+    # two stages: the bucket where they meet closes early, each stage packs its own
+    m = Manifest([TensorMeta(f"s{i}", f32, (100,)) for i in range(6)], homes=[{0}] * 3 + [{1}] * 3)
+    plan = BucketPlan(m, 1 << 16, 2)
+    assert [(b.owner, [c.index for c in b.chunks]) for b in plan.buckets] == [(0, [0, 1, 2]), (1, [3, 4, 5])]
+    # the tensors of one fused parameter (a unit) stay with one packer over a bucket boundary
+    m = Manifest([TensorMeta("pad", f32, (900,)), TensorMeta("gate", f32, (1000,)),
+                  TensorMeta("up", f32, (1000,))], homes=[{0, 1}] * 3, units=[0, 1, 1])
+    plan = BucketPlan(m, 4096 + TRAILER_BYTES, 2)
+    assert len(plan) == 3 and plan.owners_of(1) == plan.owners_of(2)
+    assert Manifest.from_bytes(m.to_bytes()).units == m.units
+    # one sender (colocated): homes do not matter
+    assert [b.owner for b in BucketPlan(m, 1 << 16, 1).buckets] == [0]

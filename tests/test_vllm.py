@@ -78,3 +78,31 @@ def test_updates_land_in_vllm(engine):
         mgr.shutdown()
         trainer.shutdown()
         replica.shutdown()
+
+
+def test_delta_updates_land_in_vllm(engine):
+    """Delta mode into vLLM's own loader: the first update goes whole, the next ones as
+    the changes only (into each worker's shadow copy, then through load_weights)."""
+    path, llm = engine
+    trainer = LocalWorkerGroup(HFTrainer, 1, path, name="trainer")
+    replica = VLLMReplica(llm, name="vllm0")
+    mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=60, delta=True)
+    try:
+        call(trainer, "train_step", 1, timeout=60)
+        dense = mgr.update_weights(version=1)
+        assert dense.delta is False  # nothing held yet: whole
+        previous = _vllm_greedy(llm)
+        assert previous == call(trainer, "greedy", PROMPTS, 8, timeout=60)[0]
+        for step in (2, 3):
+            call(trainer, "sparse_step", step, timeout=60)
+            report = mgr.update_weights(version=step)
+            assert report.delta is True and report.wire_bytes < dense.wire_bytes / 4, report
+            got = _vllm_greedy(llm)
+            assert got == call(trainer, "greedy", PROMPTS, 8, timeout=60)[0], f"version {step}"
+            assert got != previous
+            previous = got
+            assert llm.collective_rpc("wb_version") == [step]
+    finally:
+        mgr.shutdown()
+        trainer.shutdown()
+        replica.shutdown()

@@ -22,6 +22,15 @@ class HFTrainer(WeightbusWorker):
         """What a transformers model holding these weights generates, greedily."""
         return greedy_tokens(self.model, prompts, n)
 
+    def sparse_step(self, step, frac=0.02):
+        """A step that changes ``frac`` of every tensor's elements (as a small-learning-rate
+        step changes bf16 weights), by enough to change what the model generates."""
+        g = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                mask = torch.rand(p.shape, generator=g) < frac
+                p.add_(torch.randn(p.shape, generator=g) * 0.5 * mask)
+
     def add_bogus(self, on):
         self.extra = {"model.bogus.weight": torch.ones(4, 4)} if on else None
 

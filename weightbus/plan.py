@@ -81,10 +81,38 @@ class Manifest:
     """The ordered tensors of one update, with a stable fingerprint.
 
     Names must be unique; a name that repeats is a :class:`PlanError` naming it.
+
+    ``homes`` (optional, one entry per tensor) names the sender ranks that hold each tensor
+    at hand, where a source's tensors live on some ranks only (Megatron's pipeline stages
+    and experts): the plan then has every bucket packed by a rank that holds all of its
+    tensors, so no tensor crosses the trainers' links to reach its packer. An entry of
+    None means any rank. Sources whose every rank can produce every tensor (plain modules,
+    FSDP2, checkpoints) leave it out, and buckets go round-robin.
+
+    ``units`` (optional, with ``homes``: one id per tensor) marks tensors made together
+    (the Hugging Face tensors split from one fused parameter share one id, consecutively):
+    the plan keeps a unit with one packer where it can, so none is made twice.
     """
 
-    def __init__(self, metas: Iterable[TensorMeta]):
+    def __init__(self, metas: Iterable[TensorMeta],
+                 homes: Iterable[Iterable[int] | None] | None = None,
+                 units: Iterable[int] | None = None):
         self.metas: tuple[TensorMeta, ...] = tuple(metas)
+        self.units: tuple[int, ...] | None = tuple(units) if units is not None else None
+        if self.units is not None and len(self.units) != len(self.metas):
+            raise PlanError(f"the manifest has {len(self.metas)} tensors but {len(self.units)} units")
+        self.homes: tuple[frozenset[int] | None, ...] | None = None
+        if homes is not None:
+            self.homes = tuple(None if h is None else frozenset(h) for h in homes)
+            if len(self.homes) != len(self.metas):
+                raise PlanError(f"the manifest has {len(self.metas)} tensors but {len(self.homes)} homes")
+            for m, h in zip(self.metas, self.homes, strict=True):
+                if h is not None and (not h or min(h) < 0):
+                    raise PlanError(f"tensor {m.name!r}: its homes {sorted(h)} must be sender ranks")
+            if all(h is None for h in self.homes):
+                self.homes = None
+        if self.homes is None:
+            self.units = None  # (they only steer where homes are)
         seen: set[str] = set()
         for m in self.metas:
             if not isinstance(m.name, str) or not m.name:
@@ -132,8 +160,9 @@ class Manifest:
         return [m.shape for m in self.metas]
 
     @cached_property
-    def fingerprint(self) -> int:
-        """A signed 63-bit digest of (name, dtype, shape) of every tensor, in order."""
+    def tensors_fingerprint(self) -> int:
+        """A signed 63-bit digest of (name, dtype, shape) of every tensor, in order: what a
+        receiver compares an expected manifest against."""
         h = hashlib.blake2b(digest_size=8)
         for m in self.metas:
             name = m.name.encode()  # length-prefixed: no name can run into the next field
@@ -141,15 +170,33 @@ class Manifest:
                                              ",".join(map(str, m.shape)).encode()))
         return struct.unpack("<q", h.digest())[0] & 0x7FFF_FFFF_FFFF_FFFF
 
+    @cached_property
+    def fingerprint(self) -> int:
+        """The tensors' fingerprint, and the homes where there are any (they shape the
+        plan, so every rank must hold the same): what the header announces."""
+        if self.homes is None:
+            return self.tensors_fingerprint
+        h = hashlib.blake2b(repr((self.tensors_fingerprint, self.units,
+                                  [None if x is None else sorted(x) for x in self.homes])).encode(),
+                            digest_size=8)
+        return struct.unpack("<q", h.digest())[0] & 0x7FFF_FFFF_FFFF_FFFF
+
+    def same_tensors(self, other: Manifest) -> bool:
+        """The same tensors in the same order (whichever ranks hold them)."""
+        return self.tensors_fingerprint == other.tensors_fingerprint
+
     def to_bytes(self) -> bytes:
         return pickle.dumps(
-            [(m.name, str(m.dtype).removeprefix("torch."), m.shape) for m in self.metas],
+            ([(m.name, str(m.dtype).removeprefix("torch."), m.shape) for m in self.metas],
+             None if self.homes is None else [None if h is None else sorted(h) for h in self.homes],
+             self.units),
             protocol=4,
         )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        return cls(TensorMeta(n, getattr(torch, d), tuple(s)) for n, d, s in pickle.loads(data))
+        metas, homes, units = pickle.loads(data)
+        return cls((TensorMeta(n, getattr(torch, d), tuple(s)) for n, d, s in metas), homes, units)
 
     def first_difference(self, other: Manifest) -> str:
         """A one-line description of where ``other`` (theirs) departs from ``self`` (ours)."""
@@ -161,10 +208,20 @@ class Manifest:
             extra = longer.metas[min(len(self), len(other))]
             return (f"{which} has more tensors ({len(self)} vs {len(other)}); first extra: "
                     f"{extra.describe()}")
+        for i, (a, b) in enumerate(zip(self.homes or [None] * len(self), other.homes or [None] * len(self),
+                                       strict=True)):
+            if a != b:
+                def held(h: frozenset[int] | None) -> str:
+                    return "any rank" if h is None else str(sorted(h))
+                return (f"in where {self.metas[i].describe()} is held (position {i}): ours "
+                        f"{held(a)}, theirs {held(b)}")
+        if self.units != other.units:
+            return "in which tensors are made together (units)"
         return "no difference"
 
     def check_same(self, other: Manifest, where: str) -> None:
-        if self.fingerprint != other.fingerprint:
+        """Raise unless ``other`` has the same tensors (what a receiver expects)."""
+        if not self.same_tensors(other):
             raise ManifestMismatch(f"{where}: manifests differ {self.first_difference(other)}")
 
 
@@ -184,6 +241,7 @@ class Bucket:
     owner: int
     chunks: tuple[Chunk, ...]
     used: int  # payload bytes, end of the last chunk
+    turn: int  # its position among its owner's buckets (senders cycle their slots by it)
 
     @property
     def trailer_offset(self) -> int:
@@ -201,7 +259,11 @@ class BucketPlan:
     Tensors start at :data:`ALIGNMENT`-aligned offsets. A tensor larger than the room in
     the bucket is split into chunks at element boundaries (so a cast can write a chunk
     straight into the bucket) and reassembled by the receiver. Bucket ``b`` is owned by
-    sender ``b % n_senders``.
+    sender ``b % n_senders``, unless the manifest says where its tensors are held
+    (:attr:`Manifest.homes`): then a bucket closes early rather than take a tensor that its
+    other tensors' holders lack, and goes to the least-loaded rank that holds all of them
+    (a tensor split over several buckets, or a unit of tensors made together, stays with
+    one owner where it can).
     """
 
     def __init__(self, manifest: Manifest, bucket_size: int, n_senders: int = 1):
@@ -219,6 +281,14 @@ class BucketPlan:
         self.bucket_size = bucket_size
         self.capacity = capacity
         self.n_senders = n_senders
+        # one sender (colocated: every trainer packs everything for its own rollouts): no choice
+        self.homes = homes = manifest.homes if n_senders > 1 else None
+        if homes is not None and any(h is not None and max(h) >= n_senders for h in homes):
+            i = next(i for i, h in enumerate(homes) if h is not None and max(h) >= n_senders)
+            raise PlanError(f"tensor {manifest[i].name!r} is held on sender ranks {sorted(homes[i])}, "  # type: ignore[arg-type]
+                            f"but there are {n_senders} senders")
+        self._load = [0] * n_senders
+        self._turns = [0] * n_senders
         self.buckets: tuple[Bucket, ...] = tuple(self._build())
         # first and last bucket of every tensor (receivers yield a tensor when its last
         # chunk has landed; sources gather a tensor only on the ranks that pack it)
@@ -228,15 +298,39 @@ class BucketPlan:
                 owners[c.index].add(b.owner)
         self._owners = [frozenset(o) for o in owners]
 
+    def _owner(self, index: int, can: frozenset[int] | None, last: int) -> int:
+        """Who packs a bucket: round-robin, or where its tensors are held (``can``: the
+        ranks holding every one of them), the least loaded; ``last`` continues a split
+        tensor (the previous bucket's owner, or -1)."""
+        n = self.n_senders
+        if self.homes is None:
+            return index % n
+        if last in (can if can is not None else range(n)):
+            return last
+        pool = sorted(can) if can is not None else range(n)
+        return min(pool, key=lambda r: (self._load[r], (r - index) % n))
+
     def _build(self) -> Iterator[Bucket]:
         chunks: list[Chunk] = []
         cursor = 0
         index = 0
+        homes = self.homes
+        units = self.manifest.units if homes is not None else None
+        can: frozenset[int] | None = None  # ranks holding every tensor of the open bucket
+        last = -1  # owner of the previous bucket if this one continues its last tensor (unit)
 
-        def close() -> Bucket:
-            nonlocal chunks, cursor, index
-            b = Bucket(index, index % self.n_senders, tuple(chunks), cursor)
-            chunks, cursor, index = [], 0, index + 1
+        def close(nxt: int = -1) -> Bucket:
+            """Close the open bucket; ``nxt``: the tensor the next one starts with."""
+            nonlocal chunks, cursor, index, can, last
+            owner = self._owner(index, can, last)
+            tail = chunks[-1].index if chunks else -1
+            goes_on = nxt >= 0 and tail >= 0 and (
+                nxt == tail or (units is not None and units[nxt] == units[tail]))
+            b = Bucket(index, owner, tuple(chunks), cursor, self._turns[owner])
+            self._turns[owner] += 1
+            self._load[owner] += cursor
+            chunks, cursor, index, can = [], 0, index + 1, None
+            last = owner if goes_on else -1
             return b
 
         for i, m in enumerate(self.manifest.metas):
@@ -244,15 +338,20 @@ class BucketPlan:
             if size == 0:
                 chunks.append(Chunk(i, 0, 0, cursor))
                 continue
+            here = homes[i] if homes is not None else None
+            if here is not None:
+                if can is not None and not can & here and chunks:
+                    yield close(i)  # nobody holds all of them: this one starts a bucket
+                can = here if can is None else can & here
             start = _align(cursor)
             if start + size <= self.capacity:
                 chunks.append(Chunk(i, 0, size, start))
                 cursor = start + size
                 continue
             if size <= self.capacity and chunks:
-                yield close()
+                yield close(i)
                 chunks.append(Chunk(i, 0, size, 0))
-                cursor = size
+                cursor, can = size, here
                 continue
             # larger than the room left: split at element boundaries
             done = 0
@@ -260,7 +359,8 @@ class BucketPlan:
                 start = _align(cursor)
                 room = (self.capacity - start) // item * item if start < self.capacity else 0
                 if room <= 0:
-                    yield close()
+                    yield close(i)
+                    can = here
                     continue
                 n = min(room, size - done)
                 chunks.append(Chunk(i, done, n, start))

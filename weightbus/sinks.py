@@ -68,6 +68,14 @@ class ModuleSink:
         self.targets: dict[str, torch.Tensor] = (
             dict(module.state_dict(keep_vars=True)) if isinstance(module, nn.Module) else dict(module))
         self._nbytes = {k: t.nbytes for k, t in self.targets.items()}
+        # tied weights (an lm_head that is the embedding): one name of a group arriving
+        # fills them all, so the others are not missing
+        first: dict[tuple, str] = {}
+        self._tied: dict[str, str] = {}
+        for k, t in self.targets.items():
+            if t.numel():
+                key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                self._tied[k] = first.setdefault(key, k)
         self._in_place_batches: dict[int, tuple[list, list[str]]] = {}
 
     def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
@@ -97,7 +105,8 @@ class ModuleSink:
     def _close(self, report: LoadReport, seen: set[str], in_place: list[str]) -> LoadReport:
         report.loaded += len(in_place)
         report.bytes += sum(map(self._nbytes.__getitem__, in_place))
-        report.missing = [k for k in self.targets if k not in seen]
+        got = {self._tied.get(k, k) for k in seen}
+        report.missing = [k for k in self.targets if k not in seen and self._tied.get(k, k) not in got]
         if report.mismatched or (self.strict and not report.ok):
             hint = (" (the update's dtype differs from the model's: send the model's dtype, e.g. "
                     "ModuleSource(model, dtype=...), or pass ModuleSink(..., allow_cast=True) to "

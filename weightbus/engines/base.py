@@ -941,7 +941,7 @@ class BucketEngine(CheckpointEngine):
         version, manifest = self._exchange_header(0, None, None)
         self._begin(version)
         error = None
-        if expected is not None and expected.fingerprint != manifest.fingerprint:
+        if expected is not None and not expected.same_tensors(manifest):
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
                      f"expected manifest {expected.first_difference(manifest)}")
         if error is None and validate is not None:

@@ -490,7 +490,7 @@ class CacheEngine(CheckpointEngineWithCache):
         try:
             with self._exclusive("receive_weights"):
                 manifest = Manifest(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items)
-                if expected is not None and expected.fingerprint != manifest.fingerprint:
+                if expected is not None and not expected.same_tensors(manifest):
                     raise WeightSyncError(f"{self.where()}: version {version} in the cache differs from the "
                                           f"expected manifest {expected.first_difference(manifest)}")
                 if validate is not None:

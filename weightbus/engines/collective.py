@@ -40,6 +40,7 @@ class CollectiveEngine(BucketEngine):
         self._slots: list[torch.Tensor] = []
         self._data: dict[int, Any] = {}  # trainer rank -> data group
         self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
+        self._held: dict[int, int] = {}  # slot -> the bucket it last sent (for errors)
         self._formed = 0  # how many times a group was formed under _formed_token
         self._formed_token = ""
 
@@ -145,15 +146,16 @@ class CollectiveEngine(BucketEngine):
 
     def _acquire(self, b: Bucket) -> torch.Tensor:
         self._allocate()  # (again after finalize(), which freed the buckets)
-        # trainer i sends buckets i, i+T, ...: slots go by position among its own buckets
-        s = (b.index // self.n_senders) % self.num_buffers
+        # slots go by position among this rank's own buckets
+        s = b.turn % self.num_buffers
         work = self._inflight.pop(s, None)
         if work is not None:
-            self._wait(work, f"send bucket {b.index - self.n_senders * self.num_buffers}")
+            self._wait(work, f"send bucket {self._held.get(s)} (before bucket {b.index} can reuse its slot)")
+        self._held[s] = b.index
         return self._slots[s]
 
     def _send(self, b: Bucket, slot: torch.Tensor) -> None:
-        s = (b.index // self.n_senders) % self.num_buffers
+        s = b.turn % self.num_buffers
         try:
             self._inflight[s] = comm.broadcast(self._data[b.owner], slot[: b.wire_bytes], 0)
         except Exception as e:  # noqa: BLE001

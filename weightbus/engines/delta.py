@@ -282,7 +282,7 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
         if b.owner != engine.trainer_rank:
             continue
         slot = engine._acquire(b)
-        k = b.index // engine.n_senders
+        k = b.turn
         if error is None and k < len(mine):
             _fill(slot, mine[k])
         engine._stamper.stamp(slot, b, version, buffers.STATUS_ABORT if error else buffers.STATUS_OK,
@@ -486,7 +486,7 @@ def _plan(engine: BucketEngine, mine: list[int]) -> list[Bucket]:
     if rank >= 0 and mine:
         sizes[rank, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
     engine._reduce_max(sizes.view(-1), "delta: agreeing on the buckets")
-    return [Bucket(k * T + r, r, (), int(sizes[r, k].item())) for k in range(most) for r in range(T)]
+    return [Bucket(k * T + r, r, (), int(sizes[r, k].item()), k) for k in range(most) for r in range(T)]
 
 
 class _PlanView:

@@ -96,6 +96,7 @@ class MooncakeEngine(LinkedEngine):
         self._replica: Any = None  # the replica's own group (k > 1)
         self._version = 0
         self._words: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (peer, bucket) -> recv
+        self._held: dict[int, int] = {}  # trainer: slot -> the bucket it last held
         self._sent: list[tuple[Any, torch.Tensor]] = []  # isends in flight (tensors kept alive)
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -208,12 +209,14 @@ class MooncakeEngine(LinkedEngine):
             self._lose(link, phase, e)
 
     def _acquire(self, b: Bucket) -> torch.Tensor:
-        prev = b.index - self.T * self.num_buffers  # the bucket this slot held last
-        if prev >= 0:
+        s = self._slot_of(b)
+        prev = self._held.get(s)  # the bucket this slot held last
+        if prev is not None and b.turn >= self.num_buffers:
             for link in self._live():
                 self._await_ack(link, prev, f"send bucket {b.index}: waiting for replica {link.id!r} "
                                             f"to read bucket {prev}")
-        return self._slots[self._slot_of(b)]
+        self._held[s] = b.index
+        return self._slots[s]
 
     def _send(self, b: Bucket, slot: torch.Tensor) -> None:
         for link in self._live():
@@ -225,8 +228,9 @@ class MooncakeEngine(LinkedEngine):
                 self._lose(link, f"telling replica {link.id!r} about bucket {b.index}", e)
 
     def _flush_send(self, plan: BucketPlan) -> None:
+        mine = sum(1 for b in plan.buckets if b.owner == self.trainer_rank)
         for b in plan.buckets:  # the last reads of every slot: done before the slots are reused
-            if b.owner == self.trainer_rank and b.index + self.T * self.num_buffers >= len(plan):
+            if b.owner == self.trainer_rank and b.turn + self.num_buffers >= mine:
                 for link in self._live():
                     self._await_ack(link, b.index,
                                     f"waiting for replica {link.id!r} to read bucket {b.index}")
@@ -277,7 +281,7 @@ class MooncakeEngine(LinkedEngine):
 
     # --- transport hooks ---------------------------------------------------------------
     def _slot_of(self, b: Bucket) -> int:
-        return (b.index // self.T) % self.num_buffers  # an owner's own buckets, in turn
+        return b.turn % self.num_buffers  # an owner's own buckets, in turn
 
     def _packs(self, b: Bucket) -> bool:
         return b.owner == self.trainer_rank

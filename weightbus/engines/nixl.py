@@ -591,7 +591,7 @@ class NixlEngine(LinkedEngine):
     def _acquire(self, b: Bucket) -> torch.Tensor:
         if self._route_error:
             raise TransferFailed(f"{self.where()}: send bucket {b.index} failed: {self._route_error}")
-        s = (b.index // self.T) % self.num_buffers  # this trainer's own buckets, in turn
+        s = b.turn % self.num_buffers  # this trainer's own buckets, in turn
         self._wait_writes(("out", s))
         return self._slots[s]
 
@@ -601,7 +601,7 @@ class NixlEngine(LinkedEngine):
         for head in self._routes[b.owner][1]:
             if self._await("c", b, head, f"send bucket {b.index} to {self._who(head)}: waiting "
                                                f"for a free slot"):
-                self._write(("out", (b.index // self.T) % self.num_buffers, head), slot, head, b)
+                self._write(("out", b.turn % self.num_buffers, head), slot, head, b)
 
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_writes(None)

@@ -6,25 +6,31 @@ to Hugging Face names and how its tensor-parallel shards merge; we use its per-p
 functions (``_weight_name_mapping_mcore_to_hf``, ``_weight_merge_across_tp``,
 ``_weight_to_hf_format``), not its ``export_weights``: that one all-gathers every TP shard
 on every rank and broadcasts every parameter over the whole PP group, so every trainer rank
-materialises the whole model. Here a Hugging Face tensor is assembled once, by one rank of
-the group that holds it (the *leader*: tensor-parallel rank 0 of the first data-parallel
-replica of its pipeline stage, or of its expert's owner), and sent only to the trainer ranks
-that pack it (``owners(i)``, the engine's plan).
+materialises the whole model. Here a Hugging Face tensor is made only where it is packed.
 
-Every trainer rank iterates the source in the same order (the global catalogue built in the
-constructor with one ``all_gather_object``): for each Megatron parameter, its holders
-gather their shards to the leader (``gather`` over their TP/ETP group), the leader merges
-and converts them, then sends each Hugging Face tensor to the owners that are not itself
-(point to point over the trainer group). Ranks with no part in a tensor do nothing for it.
+The manifest says where each tensor is held (:attr:`Manifest.homes`): a parameter split
+over tensor parallelism by the ranks of its TP (ETP) group in the first data-parallel
+replica, one held whole by every rank that has it (every DP replica, every TP rank of its
+stage; an expert by its EP rank's replicas). The engine's plan then has every bucket packed
+by a rank that holds all of its tensors: each pipeline stage packs its own layers, each EP
+rank its own experts, and the TP ranks of a stage share its buckets. For each Megatron
+parameter, in one order every rank computes alike (the catalogue, built in the constructor
+with one ``all_gather_object``), a split one's holders gather their shards (``gather``
+over their TP/ETP group) to a holder that packs it, which merges and converts them; a whole
+one is converted from each packer's own copy. Ranks with no part in a tensor do nothing for
+it. A tensor goes point to point to a packer that cannot make it itself only where a bucket
+boundary falls between the Hugging Face tensors of one parameter (``hops`` counts those
+bytes), or under an engine whose plan ignores homes.
 
 The engine's trainer ranks are the ranks of ``group`` (default: the world group): the
 trainer ranks are the Megatron ranks.
 
 Tested (``tests/test_megatron.py``, CPU, gloo, bitwise against mbridge's own export):
 Qwen3 TP=2, Qwen2 PP=2, Qwen3-MoE EP=2 and TP=2 x EP=2 x ETP=1, with the local (non-TE)
-layer spec, whose names this module maps to the TE spec's that mbridge expects. Not yet:
-virtual pipelining, embeddings tied across pipeline stages, MoE expert biases, and owner
-affinity (today a tensor whose leader does not pack it takes one extra point-to-point hop).
+layer spec, whose names this module maps to the TE spec's that mbridge expects, and
+embeddings tied across pipeline stages (the first stage's embedding is sent; the last
+stage's copy of it is not). Not yet: MoE expert biases (``expert_bias`` lives in the state
+dict, not among the parameters).
 """
 
 from __future__ import annotations
@@ -48,10 +54,13 @@ class _Param:
     """One Megatron-core parameter, by its global name in mbridge's (TE-spec) naming."""
 
     name: str
-    holders: tuple[int, ...]  # trainer ranks holding its shards, in TP (ETP) order
-    shard_shape: tuple[int, ...]
+    #: split over tensor parallelism: the ranks holding its shards (the first data-parallel
+    #: replica's TP or ETP group), in TP order; empty when ranks hold it whole
+    holders: tuple[int, ...]
+    #: ranks that can produce its Hugging Face tensors with no help: the holders when it is
+    #: split (one of them gathers), else every rank holding it whole (any DP replica)
+    homes: frozenset[int]
     dtype: torch.dtype
-    partition_dim: int  # -1: not tensor-parallel (every holder has it whole: the first sends)
     hf: tuple[TensorMeta, ...]  # what it becomes
 
 
@@ -103,6 +112,10 @@ class MegatronSource:
         from megatron.core import parallel_state as ps
 
         self.models = [_unwrap(m) for m in models]
+        #: bytes this rank sent to another trainer rank because that one packs a tensor
+        #: it cannot make itself (zero under a plan that follows the manifest's homes,
+        #: but where a bucket boundary falls inside one parameter's tensors)
+        self.hops = 0
         self.bridge, self.group, self.dtype = bridge, group, dtype
         self.rank = dist.get_rank(group)
         n_experts = getattr(bridge.config, "num_moe_experts", None) or 0
@@ -128,7 +141,12 @@ class MegatronSource:
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, me, group=group)
         self._params = self._catalogue(everyone)
-        self.manifest = Manifest([m for p in self._params for m in p.hf])
+        # where each tensor is held: the engine's plan then has every bucket packed by a
+        # rank that holds (or gathers) its tensors, so none takes an extra hop to its packer
+        # (and a fused parameter's tensors, made together, are best packed together)
+        self.manifest = Manifest([m for p in self._params for m in p.hf],
+                                 homes=[p.homes for p in self._params for _ in p.hf],
+                                 units=[k for k, p in enumerate(self._params) for _ in p.hf])
 
     def _catalogue(self, everyone: list[dict[str, Any]]) -> list[_Param]:
         """Every parameter once, in one order every rank computes alike: by pipeline stage
@@ -141,20 +159,33 @@ class MegatronSource:
                     seen[name], _ = [], order.append(name)
                 seen[name].append((r, shape, dtype, pdim))
         params = []
+        named: dict[str, str] = {}  # Hugging Face name -> the parameter that gives it
         for name in order:
             expert = ".mlp.experts.linear_fc" in name
             first = [x for x in seen[name] if (x[0]["edp"] if expert else x[0]["dp"]) == 0]
             by_tp = sorted(first, key=lambda x: x[0]["etp"] if expert else x[0]["tp"])
             _, shape, dtype, pdim = by_tp[0]
-            holders = tuple(x[0]["rank"] for x in by_tp) if pdim >= 0 else (by_tp[0][0]["rank"],)
+            holders = tuple(x[0]["rank"] for x in by_tp) if pdim >= 0 and len(by_tp) > 1 else ()
+            homes = frozenset(holders or (x[0]["rank"] for x in seen[name]))
             meta = torch.empty(shape, dtype=dtype, device="meta")
             meta.tensor_model_parallel, meta.partition_dim = pdim >= 0, max(pdim, 0)  # type: ignore[attr-defined]
-            merged = self.bridge._weight_merge_across_tp(name, [meta] * len(holders), meta) \
+            merged = self.bridge._weight_merge_across_tp(name, [meta] * len(by_tp), meta) \
                 if pdim >= 0 else meta
             hf_names, hf = self.bridge._weight_to_hf_format(name, merged)
+            again = [n for n in hf_names if n in named]
+            if again:
+                # embeddings tied across pipeline stages: the last stage's output layer is a
+                # copy of the first stage's embedding (Megatron keeps them equal), and the
+                # bridge names both model.embed_tokens.weight: the first one sends it
+                if len(again) != len(hf_names):
+                    rest = sorted(set(hf_names) - set(again))
+                    raise PlanError(f"MegatronSource: {name!r} gives {again}, which "
+                                    f"{named[again[0]]!r} gives too, and also {rest}")
+                continue
+            named.update((n, name) for n in hf_names)
             metas = tuple(TensorMeta(n, self.dtype or t.dtype, tuple(t.shape))
                           for n, t in zip(hf_names, hf, strict=True))
-            params.append(_Param(name, holders, tuple(shape), dtype, pdim, metas))
+            params.append(_Param(name, holders, homes, dtype, metas))
         if not params:
             raise PlanError("MegatronSource: the model chunks hold no parameter")
         return params
@@ -171,19 +202,28 @@ class MegatronSource:
         with torch.no_grad():
             for p in self._params:
                 want = frozenset().union(*(owners(i + k) for k in range(len(p.hf))))
-                leader = p.holders[0]
+                if p.holders:  # split: one holder gathers it, one that packs it if any does
+                    mine = want & set(p.holders)
+                    sender = min(mine) if mine else p.holders[0]
+                    have = {sender}
+                else:  # held whole: every home that packs it uses its own copy
+                    sender, have = min(p.homes), want & p.homes
+                    if want - have:
+                        have = have | {sender}
                 tensors: list[torch.Tensor] | None = None
-                if rank in p.holders and (len(p.holders) > 1 or rank == leader):
-                    tensors = self._assemble(p, leader)
+                if rank in p.holders or rank in have:
+                    tensors = self._assemble(p, sender)
                 for k, meta in enumerate(p.hf):
                     t = tensors[k] if tensors is not None else None
-                    if rank == leader:
-                        t = t.to(meta.dtype).contiguous()  # type: ignore[union-attr]
-                        for o in sorted(want - {leader}):
-                            dist.send(t, dst=self._global(o), group=self.group)
-                    elif rank in want:
+                    if t is not None:
+                        t = t.to(meta.dtype).contiguous()
+                    if rank == sender:  # to the packers that cannot make it themselves
+                        for o in sorted(want - have):
+                            dist.send(t, dst=self._global(o), group=self.group)  # type: ignore[arg-type]
+                            self.hops += t.nbytes  # type: ignore[union-attr]
+                    elif rank in want - have:
                         t = torch.empty(meta.shape, dtype=meta.dtype, device=self._device())
-                        dist.recv(t, src=self._global(leader), group=self.group)
+                        dist.recv(t, src=self._global(sender), group=self.group)
                     yield meta.name, t if rank in owners(i + k) else None
                 i += len(p.hf)
 
@@ -195,9 +235,10 @@ class MegatronSource:
         return next(iter(self._local.values())).device
 
     def _assemble(self, p: _Param, leader: int) -> list[torch.Tensor] | None:
-        """Holders: the shards gathered to the leader, merged and converted there."""
+        """``p``'s Hugging Face tensors: a split one's shards gathered to the leader (None on
+        the other holders) and merged there; a whole one converted from this rank's copy."""
         mine = self._local[p.name].detach()
-        if len(p.holders) > 1:
+        if p.holders:
             group = self._etp_group if ".mlp.experts.linear_fc" in p.name else self._tp_group
             shards = [torch.empty_like(mine) for _ in p.holders] if self.rank == leader else None
             dist.gather(mine.contiguous(), shards, dst=self._global(leader), group=group)

@@ -9,14 +9,25 @@ worker mixes in :class:`WeightbusWorkerExtension` and the manager reaches it thr
 Every vLLM worker (one per TP rank) joins the weightbus group as one rollout rank and
 feeds the received stream to ``model.load_weights`` through :class:`.loader.VLLMModelLoader`.
 Tensors cannot travel as ``collective_rpc`` arguments; only small control values do.
+
+Delta mode (``CheckpointEngineManager(..., delta=True)``): patches need the previous
+version of every tensor *as it travels* (Hugging Face names and layouts), which vLLM does
+not keep (it fuses q/k/v and gate/up, shards over TP, may repack for its kernels). Each
+worker therefore keeps a shadow copy of the update's tensors on the engine's device: the
+engine patches the shadow in place (digest-checked), then the whole shadow goes through
+vLLM's own ``load_weights``, like a dense update. The wire carries only the changes; the
+cost is one copy of the weights in the wire dtype per worker, and a full load per update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from weightbus.integrations.vllm.loader import VLLMModelLoader
+from weightbus.plan import Manifest
 from weightbus.worker import EngineHost
 
 
@@ -54,8 +65,13 @@ class WeightbusWorkerExtension(EngineHost):
             loader = self._wb_loader = VLLMModelLoader(
                 self.model_runner.model, self.model_runner.model_config,  # type: ignore[attr-defined]
                 where=f"vLLM rank {rank}")
+        validate: Callable[[Manifest], None] = loader.preflight
+        if getattr(self._wb_engine, "delta", False):
+            def validate(manifest: Manifest) -> None:
+                loader.preflight(manifest)
+                self._wb_shadow(manifest)
         try:
-            stream = self._wb_engine.receive_weights_sync(validate=loader.preflight,
+            stream = self._wb_engine.receive_weights_sync(validate=validate,
                                                              on_release=loader.release,
                                                              on_complete=loader.complete)
             try:
@@ -71,6 +87,20 @@ class WeightbusWorkerExtension(EngineHost):
                                f"expected {version}")
         self.weights_version = version
         return {"bytes": nbytes, "tensors": tensors}
+
+    def _wb_shadow(self, manifest: Manifest) -> None:
+        """Delta mode: the engine's destinations, a copy of the update's tensors on the
+        engine's device (the model's for nccl), made anew when the tensors change (a new
+        shadow holds no version, and a changed manifest makes the update dense anyway)."""
+        engine, fp = self._wb_engine, manifest.tensors_fingerprint
+        shadow, of, given = self.__dict__.get("_wb_shadow_held", (None, None, None))
+        if of != fp:
+            device = engine.device  # type: ignore[union-attr]  # where its buckets land
+            shadow = {m.name: torch.empty(m.shape, dtype=m.dtype, device=device) for m in manifest}
+        elif given is engine:
+            return
+        engine.set_destinations(shadow)  # type: ignore[union-attr]
+        self._wb_shadow_held = (shadow, fp, engine)
 
     def pause_generation(self, mode: str = "abort") -> None:
         pass
