@@ -300,8 +300,8 @@ class BucketPlan:
 
     def _owner(self, index: int, can: frozenset[int] | None, last: int) -> int:
         """Who packs a bucket: round-robin, or where its tensors are held (``can``: the
-        ranks holding every one of them), the least loaded; ``last`` continues a split
-        tensor (the previous bucket's owner, or -1)."""
+        ranks holding every one of them), the least loaded; ``last``: the previous bucket's
+        owner where this one goes on with its last tensor or unit (else -1), kept if it can."""
         n = self.n_senders
         if self.homes is None:
             return index % n

@@ -26,11 +26,12 @@ The engine's trainer ranks are the ranks of ``group`` (default: the world group)
 trainer ranks are the Megatron ranks.
 
 Tested (``tests/test_megatron.py``, CPU, gloo, bitwise against mbridge's own export):
-Qwen3 TP=2, Qwen2 PP=2, Qwen3-MoE EP=2 and TP=2 x EP=2 x ETP=1, with the local (non-TE)
-layer spec, whose names this module maps to the TE spec's that mbridge expects, and
-embeddings tied across pipeline stages (the first stage's embedding is sent; the last
-stage's copy of it is not). Not yet: MoE expert biases (``expert_bias`` lives in the state
-dict, not among the parameters).
+Qwen3 TP=2, Qwen2 PP=2 (also with virtual pipelining), Qwen3 PP=2 with embeddings tied
+across the stages (the first stage's embedding is sent; the last stage's copy of it is
+not), Qwen3-MoE EP=2 and TP=2 x EP=2 x ETP=1, with the local (non-TE) layer spec, whose
+names this module maps to the TE spec's that mbridge expects; on one GPU, colocated.
+Not yet: MoE expert biases (``expert_bias`` lives in the state dict, not among the
+parameters).
 """
 
 from __future__ import annotations
@@ -214,8 +215,9 @@ class MegatronSource:
                 if rank in p.holders or rank in have:
                     tensors = self._assemble(p, sender)
                 for k, meta in enumerate(p.hf):
+                    mine = rank in owners(i + k)
                     t = tensors[k] if tensors is not None else None
-                    if t is not None:
+                    if t is not None and (mine or rank == sender):  # (cast only what is used)
                         t = t.to(meta.dtype).contiguous()
                     if rank == sender:  # to the packers that cannot make it themselves
                         for o in sorted(want - have):
@@ -224,7 +226,7 @@ class MegatronSource:
                     elif rank in want - have:
                         t = torch.empty(meta.shape, dtype=meta.dtype, device=self._device())
                         dist.recv(t, src=self._global(sender), group=self.group)
-                    yield meta.name, t if rank in owners(i + k) else None
+                    yield meta.name, t if mine else None
                 i += len(p.hf)
 
     def _global(self, rank: int) -> int:
