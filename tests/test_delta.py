@@ -1,12 +1,14 @@
 """Delta mode's encoding, in one process: every record kind round-trips bitwise into the
-receiver's tensors, the GPU grouping finds the same changes as the per-piece diff, and a
-corrupt or misplaced patch is caught naming the tensor. (Across processes, with real
+receiver's tensors, the C kernels make the same records as the torch path and write the same
+bits, the GPU grouping finds the same changes as the per-piece diff, and a corrupt or
+misplaced patch is caught naming the tensor. (Across processes, with real
 optimizer steps and FSDP2 shards: tests/test_engines.py and tests/test_manager.py.)"""
 
 import pytest
 import torch
 
 from weightbus.engines import delta as dm
+from weightbus.engines import delta_kernels as kernels
 from weightbus.plan import Manifest, TensorMeta
 
 SHAPES = [("a", (300, 7)), ("b", (5,)), ("c", (4096,)), ("d", (1,))]
@@ -77,26 +79,6 @@ def test_grouped_diff_finds_the_same_changes():
                                                                                                 strict=True))
 
 
-def test_corrupt_or_misplaced_patch_is_named():
-    weights, manifest = _setup()
-    snaps = dm.Snapshots()
-    targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
-    _mutate(weights, 0.01, 1)
-    recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
-    sparse = next(r for r in recs if r.head[1] == dm.SPARSE)
-    sparse.body[-1][:1] ^= 1  # a value's bit, after the trainer took its digest
-    with pytest.raises(dm._Drift, match=f"tensor '{SHAPES[sparse.head[0]][0]}'"):
-        _deliver([sparse], [t.clone() for t in targets], manifest, False)
-    sparse.body[-1][:1] ^= 1
-    sparse.body[0].view(torch.int32)[0] += 1  # a position moved
-    with pytest.raises(dm._Drift, match="do not match the trainer's"):
-        _deliver([sparse], [t.clone() for t in targets], manifest, False)
-    sparse.body[0].view(torch.int32)[0] = 1 << 30  # a position outside the tensor
-    with pytest.raises(dm._Drift, match="do not match the trainer's"):
-        _deliver([sparse], [t.clone() for t in targets], manifest, False)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
 @pytest.mark.parametrize("n", [1, 3, 4, 7, 1000, 4099])
 def test_changed_positions(dtype, n):
@@ -106,3 +88,130 @@ def test_changed_positions(dtype, n):
     for sl in (slice(None), slice(1, None)):  # aligned, and not 8-byte aligned
         want = (dm._bits(b)[sl] != dm._bits(a)[sl]).nonzero().squeeze(1)
         assert torch.equal(dm._changed(dm._bits(b)[sl], dm._bits(a)[sl]).sort().values, want)
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """Both ways a host tensor is diffed and patched: the C kernels, and torch's ops."""
+    if request.param == "kernels":
+        assert kernels.library() is not None, "the C kernels did not build (is there a C compiler?)"
+    else:
+        monkeypatch.setattr(kernels, "usable", lambda *tensors: None)
+    return request.param
+
+
+DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _records_both(weights, manifest, snaps_k, snaps_t, full, capacity):
+    """The same pieces through the kernels and through torch (each with its own snapshots)."""
+    got = dm.records(_pieces(weights), manifest, snaps_k, full, capacity)
+    real = kernels.usable
+    try:
+        kernels.usable = lambda *tensors: None
+        want = dm.records(_pieces(weights), manifest, snaps_t, full, capacity)
+    finally:
+        kernels.usable = real
+    return got, want
+
+
+def _body(r):
+    return torch.cat([p for p in r.body])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("capacity", [1 << 20, 1000])  # (1000: records split mid-word, unaligned)
+def test_kernels_make_the_records_torch_makes(dtype, capacity):
+    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (4099,)), ("d", (1,)), ("e", (64, 33))]
+    g = torch.Generator().manual_seed(3)
+    weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
+    sk, st = dm.Snapshots(), dm.Snapshots()
+    _records_both(weights, manifest, sk, st, True, capacity)
+    kinds = set()
+    for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
+        _mutate(weights, fraction, 10 + step)
+        got, want = _records_both(weights, manifest, sk, st, False, capacity)
+        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(_body(a), _body(b)), a.head  # bodies byte for byte (padding too)
+        kinds |= {r.head[1] for r in got}
+        assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)  # snapshots too
+    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kind_lands_bitwise_either_way(dtype, path):
+    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (4099,)), ("d", (1,))]
+    g = torch.Generator().manual_seed(5)
+    weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
+    snaps = dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    for step, fraction in enumerate([0.001, 0.02, 0.2, 0.9]):
+        _mutate(weights, fraction, step)
+        recs = dm.records(_pieces(weights), manifest, snaps, False, 999)
+        _deliver(recs, targets, manifest, False)
+        for w, t in zip(weights, targets, strict=True):
+            assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+
+
+def test_corrupt_or_misplaced_patch_is_named_either_way(path):
+    weights, manifest = _setup()
+    snaps = dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _mutate(weights, 0.01, 1)
+    recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+    sparse = next(r for r in recs if r.head[1] == dm.SPARSE)
+    name, k = SHAPES[sparse.head[0]][0], sparse.head[4]
+    body = torch.cat(sparse.body)  # positions, then values, each padded
+    sparse.body = [body]
+    values, positions = body.numel() - dm._pad(2 * k), body[:4 * k].view(torch.int32)
+    body[values] ^= 1  # a value's bit, after the trainer took its digest
+    with pytest.raises(dm._Drift, match=f"tensor '{name}': elements .* do not match the trainer's"):
+        _deliver([sparse], [t.clone() for t in targets], manifest, False)
+    body[values] ^= 1
+    positions[0] += 1  # a position moved
+    with pytest.raises(dm._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
+        _deliver([sparse], [t.clone() for t in targets], manifest, False)
+    positions[0] = 1 << 30  # a position outside the tensor: nothing written there
+    with pytest.raises(dm._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
+        _deliver([sparse], [t.clone() for t in targets], manifest, False)
+
+
+def test_drifted_receiver_is_named_either_way(path):
+    """A receiver whose copy is not the trainer's previous version where a patch lands."""
+    weights, manifest = _setup()
+    snaps = dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    targets[2][100] = 7  # tensor 'c' drifted here ...
+    dm._bits(weights[2].view(-1))[100] += 1  # ... and the trainer changes that element
+    with pytest.raises(dm._Drift, match="tensor 'c': elements .* do not match the trainer's"):
+        _deliver(dm.records(_pieces(weights), manifest, snaps, False, 1 << 20), targets, manifest, False)
+
+
+def test_no_compiler_means_the_torch_path(tmp_path):
+    """Where the kernels cannot be built, delta mode says so once and takes the torch path."""
+    import subprocess
+    import sys
+    code = ("import logging, torch; logging.basicConfig()\n"
+            "from weightbus.engines import delta_kernels as k\n"
+            "assert k.library() is None and k.usable(torch.zeros(4)) is None\n")
+    env = {**__import__("os").environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "did not build" in out.stderr and "torch path" in out.stderr
+
+
+def test_kernel_threads_setting(monkeypatch):
+    monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "3")
+    assert kernels.threads() == 3
+    monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "zero")
+    with pytest.raises(Exception, match="WEIGHTBUS_DELTA_THREADS"):
+        kernels.threads()
+    monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "0")
+    with pytest.raises(Exception, match="WEIGHTBUS_DELTA_THREADS"):
+        kernels.threads()

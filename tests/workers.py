@@ -554,20 +554,22 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
             source = ModuleSource(model, dtype=torch.bfloat16)
             if corrupt and rank == 0:
                 import weightbus.engines.delta as dm
-                orig = dm.encode
+                orig = dm._buckets
 
-                def bad(index, start, cur, snap, full, idx=None):
-                    got = orig(index, start, cur, snap, full, idx)
-                    if got is not None and not bad.done and got.head[1] != dm.FULL:
-                        bad.done = True
-                        got.body[-1][:1] ^= 1  # flip a bit of the first value after its digest was taken
-                    return got
+                def bad(recs, capacity):  # every bucket a trainer sends passes here
+                    for bucket in orig(recs, capacity):
+                        for r in bucket:
+                            if not bad.done and r.head[1] in (dm.SPARSE, dm.BITMAP):
+                                bad.done = True
+                                # the values end the body: flip a bit of the first, after its digest
+                                r.body[-1][r.body[-1].numel() - dm._pad(2 * r.head[4])] ^= 1
+                        yield bucket
                 bad.done = False
-                dm.encode = bad
+                dm._buckets = bad
             rdv.all_gather(None)
             out = _outcome(lambda: _send(engine, source).wire_bytes)
             if corrupt and rank == 0:
-                dm.encode = orig
+                dm._buckets = orig
             out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
                        full=engine.last_full)
         else:

@@ -420,8 +420,11 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         if delta_weights is not None and _checksums(delta_weights) != check:
             result["checksums"] = {"delta mode": "MISMATCH"}
         stats = delta_engine.last_stats
-        snaps = sum(t.numel() * t.element_size() for t in delta_engine._snapshots.pieces.values()
-                    if t.device.type == "cuda")  # type: ignore[attr-defined]
+        held = delta_engine._snapshots  # type: ignore[attr-defined]
+        # the snapshots on the weights' device; on a host, the arenas its records were made in too
+        snaps = sum(t.numel() * t.element_size() for t in held.pieces.values()
+                    if t.device.type == device.type)
+        snaps += held.arenas.nbytes if device.type == "cpu" else 0
         result.update(delta_wire=stats.wire_bytes if stats else 0, dense_wire=plan.wire_bytes,
                       delta_full=delta_engine.last_full,
                       delta_extra=int(times.pop("delta_peak", [0])[0]) + snaps + _engine_bytes(delta_engine))

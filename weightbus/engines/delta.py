@@ -31,6 +31,10 @@ Per update, after the core's header:
    so a corrupt patch, a misplaced one or a receiver whose copy drifted is an error naming
    the tensor and the range, never silent.
 
+On a host, step 2 and step 4 run as C kernels (:mod:`.delta_kernels`: one pass over memory
+each, on a few threads); elsewhere, or without a C compiler, as torch ops (the same
+records, bit for bit).
+
 Why hand-written: no library of the field diffs sharded tensors and applies the patches
 into an inference engine's own tensors (verl's ``delta_sharded`` gathers the changes to
 trainer rank 0; vLLM's sparse path takes user-made patches one tensor at a time).
@@ -38,12 +42,14 @@ trainer rank 0; vLLM's sparse path takes user-made patches one tensor at a time)
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightbus import buffers
+from weightbus.engines import delta_kernels as kernels
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
 if TYPE_CHECKING:
@@ -119,6 +125,7 @@ class Snapshots:
         self.version: int | None = None  # the version the snapshots hold (None: none whole)
         self.fingerprint: int | None = None
         self.pieces: dict[tuple[int, int], torch.Tensor] = {}
+        self.arenas = kernels.Arenas()  # where the CPU kernels encode, kept across updates
 
 
 class Record:
@@ -137,7 +144,8 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
     """One record for elements ``[start, start + n)`` of tensor ``index`` (``cur``: their
     new values, flat, wire dtype), or None where nothing changed. Updates ``snap`` to
     ``cur``. ``idx``: the changed positions, where the caller found them already (else this
-    waits for the device once, to count them)."""
+    waits for the device once, to count them). The torch path: see ``_encode_cpu`` for the
+    C kernels' (the same record, made in one pass over memory)."""
     n, e = cur.numel(), cur.element_size()
     if full or snap is None:
         if snap is not None:
@@ -165,6 +173,30 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
     return Record([index, kind, start, n, k], digest, body)
 
 
+_BATCH = 1 << 20  # elements the C kernels diff per call at least (a call per small piece costs more)
+
+
+def _diff_batch(lib: Any, batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                arenas: kernels.Arenas) -> tuple[list[list[int]], torch.Tensor]:
+    """The C kernels' diff of many host pieces, in one call, into an arena (on a kernel
+    thread: all but the call itself stays on the caller's, which holds the GIL)."""
+    # k <= cap exactly when _pad(4 k) <= _pad(bitmap bytes)
+    pieces = [(part, snap, start, _pad((part.numel() + 7) // 8) // 4) for _, start, part, snap in batch]
+    with arenas.lend() as arena:
+        return kernels.diff_many(lib, pieces, arena)
+
+
+def _batch_records(batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                   done: tuple[list[list[int]], torch.Tensor]) -> Iterator[Record]:
+    """The records of a diffed batch: positions while they are no larger than a bitmap,
+    dense where that is smaller still (the kernel chose, as ``encode`` does)."""
+    rows, out = done
+    for (index, start, part, _), (kind, k, digest, offset, nbytes) in zip(batch, rows, strict=True):
+        if kind in (SPARSE, BITMAP, DENSE):
+            body = _padded(part.view(torch.uint8)) if kind == DENSE else out[offset:offset + nbytes]
+            yield Record([index, kind, start, part.numel(), k], digest, [body])
+
+
 def _padded(b: torch.Tensor) -> torch.Tensor:
     extra = _pad(b.numel()) - b.numel()
     return torch.cat([b, b.new_zeros(extra)]) if extra else b
@@ -186,26 +218,52 @@ def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest,
             full: bool, capacity: int) -> list[Record]:
     """Every record of this rank's pieces, each at most ``capacity`` bytes with its header,
     their digests read back from the device at once."""
-    out = list(_records(pieces, manifest, snaps, full, capacity))
-    pending = [r for r in out if isinstance(r.digest, torch.Tensor)]
+    snaps.arenas.reset()  # (the last update's records are sent)
+    return _read_digests(list(_records(pieces, manifest, snaps, full, capacity)))
+
+
+def _read_digests(recs: list[Record]) -> list[Record]:
+    """The digests still on the device (torch path), read back with one wait."""
+    pending = [r for r in recs if isinstance(r.digest, torch.Tensor)]
     if pending:
         for r, d in zip(pending, torch.stack([r.digest for r in pending]).tolist(), strict=True):
             r.digest = d
-    return out
+    return recs
+
+
+def _buckets(recs: Iterator[Record], capacity: int) -> Iterator[list[Record]]:
+    """Records packed whole, in the order made, into buckets of at most ``capacity`` bytes
+    (with the record count), their digests read back."""
+    out: list[Record] = []
+    used = 8
+    for rec in recs:
+        if out and used + rec.size > capacity:
+            yield _read_digests(out)
+            out, used = [], 8
+        out.append(rec)
+        used += rec.size
+    if out:
+        yield _read_digests(out)
 
 
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
              full: bool, capacity: int) -> Iterator[Record]:
     group: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # diffed together (GPU)
     size = 0
+    jobs = kernels.Jobs()  # the C kernels' calls (host tensors), on their threads
+    batch: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # host pieces for one call
+    batched = 0
+    sent: deque[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = deque()  # batches in the kernels
+    metas = manifest.metas
     for index, start, piece in pieces:
-        meta = manifest.metas[index]
-        cur = piece.reshape(-1)
+        meta = metas[index]
+        cur = piece if piece.dim() == 1 else piece.reshape(-1)
         if cur.dtype != meta.dtype:
             cur = cur.to(meta.dtype)
+        n = cur.numel()
         most = max(1, (capacity - 2 * _HEADER) // meta.itemsize)  # a dense record fits a bucket
-        for lo in range(0, cur.numel(), most):
-            part = cur[lo:lo + most]
+        for lo in range(0, n, most):
+            part = cur if n <= most else cur[lo:lo + most]
             key = (index, start + lo)
             snap = snaps.pieces.get(key)
             if snap is None or snap.numel() != part.numel():
@@ -218,10 +276,25 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
                     yield from _encode_group(group)
                     group, size = [], 0
                 continue
+            elif not full and (lib := kernels.usable(part)) is not None:  # (snap: made like part)
+                batch.append((index, start + lo, part, snap))
+                batched += part.numel()
+                if batched >= _BATCH:
+                    sent.append(batch)
+                    for done in jobs.submit(_diff_batch, lib, batch, snaps.arenas):
+                        yield from _batch_records(sent.popleft(), done)
+                    batch, batched = [], 0
+                continue
             else:
                 got = encode(index, start + lo, part, snap, full)
             if got is not None:
                 yield got
+    if batch:
+        sent.append(batch)
+        for done in jobs.submit(_diff_batch, kernels.library(), batch, snaps.arenas):
+            yield from _batch_records(sent.popleft(), done)
+    for done in jobs.drain():
+        yield from _batch_records(sent.popleft(), done)
     yield from _encode_group(group)
 
 
@@ -264,15 +337,9 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     if error is None and stream is not None:
         try:
             with torch.no_grad():
-                recs = records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps,
-                               full, capacity - 8)
-            used = 8
-            for rec in recs:
-                if not mine or used + rec.size > capacity:
-                    mine.append([])
-                    used = 8
-                mine[-1].append(rec)
-                used += rec.size
+                snaps.arenas.reset()  # (the last update's records are sent)
+                mine = list(_buckets(_records(pieces_of(stream, engine.trainer_rank, engine.n_senders),
+                                              manifest, snaps, full, capacity - 8), capacity))
         except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
             error = f"{engine.where()}: taking the delta of the weights: {e}"
             mine = []
@@ -379,9 +446,53 @@ class _Drift(Exception):
     pass
 
 
+def _apply_torch(kind: int, raw: torch.Tensor, vals: torch.Tensor, sub: torch.Tensor, n: int, k: int,
+                 start: int, name: str, r: int, bounds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A SPARSE or BITMAP record written by torch ops (a GPU, or no C kernels); returns our
+    digest (a 0-d tensor, read back with the bucket's others)."""
+    if kind == SPARSE:
+        pos = raw.view(torch.int32).long()
+        bounds.append((r, ((pos < 0) | (pos >= n)).any()))
+        pos = pos.clamp(0, max(n - 1, 0))  # an out-of-range position fails the check, not here
+    else:
+        pos = _unpack_bits(raw, n).nonzero().squeeze(1)
+        if pos.numel() != k:
+            raise _Drift(f"tensor {name!r}: a patch of elements [{start}, {start + n}) says "
+                         f"{k} changes but its bitmap has {pos.numel()}")
+    old = torch.index_select(_bits(sub), 0, pos)  # (index_select, index_copy_: ~2x fancy indexing)
+    sub.index_copy_(0, pos, vals)
+    return _weighted(pos + start, _bits(vals).long() - old.long())
+
+
+def _where(t: torch.Tensor) -> tuple[int, int, int, bool]:
+    """A flat target's (address, elements, element bytes, whether in host memory)."""
+    return t.data_ptr(), t.numel(), t.element_size(), t.device.type == "cpu"
+
+
+class _Targets(list):  # type: ignore[type-arg]
+    """The flat destination of every tensor, with each one's :func:`_where` (read once per
+    update, not per record)."""
+
+    def __init__(self, flat: list[torch.Tensor]):
+        super().__init__(flat)
+        self._at = [_where(t) for t in flat]
+
+    def at(self, index: int) -> tuple[int, int, int, bool]:
+        return self._at[index]
+
+
 def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Tensor]
              ) -> tuple[list[torch.Tensor | None], str | None]:
+    """Every tensor's destination, flat and checked; kept for the next update while the
+    destinations are the same tensors at the same addresses (a check per tensor that costs
+    a fraction of making them: models with many small tensors)."""
+    held = getattr(engine, "_delta_targets", None)
+    fp = manifest.tensors_fingerprint
+    if held is not None and held[0] is dest and held[1] == fp and len(dest) == held[4] \
+            and all(t.data_ptr() == a for t, a in zip(held[2], held[3], strict=True)):
+        return held[5], None
     out: list[torch.Tensor | None] = []
+    originals = []
     for m in manifest.metas:
         t = dest.get(m.name)
         if t is None or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape) or not t.is_contiguous():
@@ -389,13 +500,19 @@ def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Ten
             return [], (f"{engine.where()}: delta mode writes every tensor in place, but the destination "
                         f"of {m.describe()} is {have} (a contiguous tensor of the wire dtype and shape "
                         f"is needed)")
+        originals.append(t)
         out.append(t.view(-1))
-    return out, None
+    targets = _Targets(out)
+    engine._delta_targets = (dest, fp, originals, [t.data_ptr() for t in originals],  # type: ignore[attr-defined]
+                             len(dest), targets)
+    return targets, None
 
 
 def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool) -> int:
     """Write every record of a bucket into its target; returns the sum of their digests.
-    Reads the directory once and checks every digest (and position) at once at the end."""
+    Reads the directory once and checks every digest (and position) at once at the end:
+    host tensors by the C kernels, a call per thread for the whole bucket; others by
+    torch ops."""
     if used < 8:
         return 0
     count = int(slot[:8].view(torch.int64).item())
@@ -405,43 +522,52 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
     bounds: list[tuple[int, torch.Tensor]] = []  # (record, whether a position was out of range)
+    lib = kernels.usable(slot)
+    base = slot.data_ptr()
+    native: list[list[int]] = []  # rows for the C kernels
+    native_of: list[int] = []  # their records
     for r, (index, kind, start, n, k, digest) in enumerate(heads):
         if not 0 <= index < len(targets) or kind not in (FULL, SPARSE, BITMAP, DENSE):
             raise _Drift(f"a delta record is malformed (tensor {index}, kind {kind})")
-        dst, meta = targets[index], manifest.metas[index]
-        e = meta.itemsize
-        if start < 0 or n < 0 or not 0 <= k <= n or start + n > dst.numel():
-            raise _Drift(f"tensor {meta.name!r}: a record for elements [{start}, {start + n}) lies "
-                         f"outside its {dst.numel()}")
+        dst = targets[index]
+        addr, size, e, host = targets.at(index) if isinstance(targets, _Targets) else _where(dst)
+        if start < 0 or n < 0 or not 0 <= k <= n or start + n > size:
+            raise _Drift(f"tensor {manifest.metas[index].name!r}: a record for elements [{start}, "
+                         f"{start + n}) lies outside its {size}")
+        where = offset  # positions or bitmap (none for dense values)
+        if kind in (SPARSE, BITMAP):
+            offset += _pad(4 * k) if kind == SPARSE else _pad((n + 7) // 8)
+        values = offset
+        offset += _pad((n if kind in (FULL, DENSE) else k) * e)
+        if offset > used:
+            raise _Drift(f"tensor {manifest.metas[index].name!r}: a delta record runs past its bucket")
+        total += digest if kind != FULL else 0
+        if lib is not None and host:
+            native.append([kind, addr + start * e, n, e, start, base + where, base + values, k])
+            native_of.append(r)
+            continue
+        meta = manifest.metas[index]
         sub = dst[start:start + n]
-        if kind in (FULL, DENSE):
-            vals = slot[offset:offset + n * e].view(meta.dtype)
-            offset += _pad(n * e)
-            if kind == DENSE:
-                checks.append((r, _weighted_range(start, _bits(vals).long() - _bits(sub).long()), digest))
+        if kind == FULL:
+            sub.copy_(slot[values:values + n * e].view(meta.dtype))
+        elif kind == DENSE:
+            vals = slot[values:values + n * e].view(meta.dtype)
+            checks.append((r, _weighted_range(start, _bits(vals).long() - _bits(sub).long()), digest))
             sub.copy_(vals)
         else:
-            if kind == SPARSE:
-                pos = slot[offset:offset + 4 * k].view(torch.int32).long()
-                offset += _pad(4 * k)
-                bounds.append((r, ((pos < 0) | (pos >= n)).any()))
-                pos = pos.clamp(0, max(n - 1, 0))  # an out-of-range position fails below, not here
-            else:
-                bits = slot[offset:offset + (n + 7) // 8]
-                offset += _pad((n + 7) // 8)
-                pos = _unpack_bits(bits, n).nonzero().squeeze(1)
-                if pos.numel() != k:
-                    raise _Drift(f"tensor {meta.name!r}: a patch of elements [{start}, {start + n}) says "
-                                 f"{k} changes but its bitmap has {pos.numel()}")
-            vals = slot[offset:offset + k * e].view(meta.dtype)
-            offset += _pad(k * e)
-            old = torch.index_select(_bits(sub), 0, pos)  # (index_select, index_copy_: ~2x fancy indexing)
-            checks.append((r, _weighted(pos + start, _bits(vals).long() - old.long()), digest))
-            sub.index_copy_(0, pos, vals)
-        total += digest
-        if offset > used:
-            raise _Drift(f"tensor {meta.name!r}: a delta record runs past its bucket")
+            raw = slot[where:where + (4 * k if kind == SPARSE else (n + 7) // 8)]
+            vals = slot[values:values + k * e].view(meta.dtype)
+            checks.append((r, _apply_torch(kind, raw, vals, sub, n, k, start, meta.name, r, bounds), digest))
     bad = set()
+    if native:
+        for r, (ours, status) in zip(native_of, kernels.apply_many(lib, native), strict=True):
+            index, kind, start, n, k, digest = heads[r]
+            if kind == BITMAP and status != k:
+                raise _Drift(f"tensor {manifest.metas[index].name!r}: a patch of elements [{start}, "
+                             f"{start + n}) says {k} changes but its bitmap has "
+                             f"{'bits past its end' if status < 0 else status}")
+            if (kind == SPARSE and status >= 0) or (kind in (SPARSE, BITMAP, DENSE) and ours != digest):
+                bad.add(r)
     if bounds:
         flags = torch.stack([f for _, f in bounds]).tolist()
         bad |= {r for (r, _), f in zip(bounds, flags, strict=True) if f}

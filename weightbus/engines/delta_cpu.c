@@ -1,0 +1,244 @@
+/* Delta mode's CPU kernels (weightbus/engines/delta_kernels.py builds and loads them).
+ *
+ * Why C: on a CPU, torch takes a diff in ~10 passes over memory (compare, nonzero, gathers,
+ * digest, snapshot update), and its nonzero/masked ops run at a fraction of memory speed.
+ * These do it in one pass: the trainer's diff reads the new values and the snapshot once,
+ * the receiver's apply touches only the changed elements.
+ *
+ * Elements are integers of width e (1, 2, 4 or 8 bytes): the bit patterns of the wire
+ * dtype. The digest of a patch is sum(w(pos) * (new - old)) in wrapping 64-bit arithmetic,
+ * w(pos) = pos * 2654435761 + 1, new and old read as unsigned for e == 1 and signed
+ * otherwise (as delta.py's torch path does).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline uint64_t load(const uint8_t *p, int e) {
+    switch (e) {
+    case 1: return *p;
+    case 2: { int16_t v; memcpy(&v, p, 2); return (uint64_t)(int64_t)v; }
+    case 4: { int32_t v; memcpy(&v, p, 4); return (uint64_t)(int64_t)v; }
+    default: { uint64_t v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static inline uint64_t weight(int64_t pos) { return (uint64_t)pos * 2654435761u + 1u; }
+
+/* Which of 64 bytes differ: bit q for byte q. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static inline uint64_t changed_bytes(const uint8_t *a, const uint8_t *b) {
+    uint64_t same = 0;
+    for (int q = 0; q < 4; q++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * q));
+        __m128i y = _mm_loadu_si128((const __m128i *)(b + 16 * q));
+        same |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) << (16 * q);
+    }
+    return ~same;
+}
+#else
+static inline uint64_t changed_bytes(const uint8_t *a, const uint8_t *b) {
+    uint64_t x = 0, m = 0;
+    for (int q = 0; q < 64; q++) x |= (uint64_t)(a[q] ^ b[q]);
+    if (!x) return 0; /* the common case, without a branch per byte */
+    for (int q = 0; q < 64; q++) m |= (uint64_t)(a[q] != b[q]) << q;
+    return m;
+}
+#endif
+
+/* Move k positions to the bitmap of n bits, which may share their memory. 0: no memory. */
+static int to_bitmap(const int32_t *pos, int64_t k, uint8_t *bitmap, int64_t n) {
+    int32_t *copy = malloc((size_t)(k > 0 ? k : 1) * sizeof(int32_t));
+    if (!copy) return 0;
+    memcpy(copy, pos, (size_t)k * sizeof(int32_t));
+    memset(bitmap, 0, (size_t)((n + 7) / 8));
+    for (int64_t j = 0; j < k; j++) bitmap[copy[j] >> 3] |= (uint8_t)(1u << (copy[j] & 7));
+    free(copy);
+    return 1;
+}
+
+/* One changed element i: its value, position (or bit) and digest term; the snapshot takes
+ * the new value. Past cap positions, they move to the bitmap. */
+#define TAKE(E, i)                                                                              \
+    do {                                                                                        \
+        const uint8_t *np_ = cur + (i) * (E);                                                   \
+        uint8_t *op_ = snap + (i) * (E);                                                        \
+        sum += weight(start + (i)) * (load(np_, E) - load(op_, E));                             \
+        memcpy(vals + k * (E), np_, E);                                                         \
+        memcpy(op_, np_, E);                                                                    \
+        if (k == cap && !to_bitmap(pos, k, bitmap, n)) return -1; /* (pos, bitmap: the same room) */ \
+        if (k >= cap) bitmap[(i) >> 3] |= (uint8_t)(1u << ((i) & 7));                           \
+        else pos[k] = (int32_t)(i);                                                             \
+        k++;                                                                                    \
+    } while (0)
+
+/* The diff for E-byte elements: 64 bytes compared at once (vectorized), then only their
+ * changed elements visited (one count-trailing-zeros each). */
+#define DIFF(E)                                                                                 \
+    static int64_t diff_##E(const uint8_t *cur, uint8_t *snap, int64_t n, int64_t start,        \
+                            int32_t *pos, int64_t cap, uint8_t *bitmap, uint8_t *vals,          \
+                            uint64_t *digest) {                                                 \
+        const int64_t nbytes = n * (E), whole = nbytes / 64 * 64;                               \
+        const uint64_t one = (E) == 8 ? 0xffu : ((1u << (E)) - 1);                              \
+        uint64_t sum = 0;                                                                       \
+        int64_t k = 0;                                                                          \
+        for (int64_t blk = 0; blk < whole; blk += 64) {                                         \
+            uint64_t m = changed_bytes(cur + blk, snap + blk);                                  \
+            while (m) {                                                                         \
+                int off = __builtin_ctzll(m) & ~((E) - 1);                                      \
+                m &= ~(one << off);                                                             \
+                int64_t i = (blk + off) / (E);                                                  \
+                TAKE(E, i);                                                                     \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t i = whole / (E); i < n; i++)                                               \
+            if (memcmp(cur + i * (E), snap + i * (E), E)) TAKE(E, i);                          \
+        *digest = sum;                                                                          \
+        return k;                                                                               \
+    }
+
+DIFF(1)
+DIFF(2)
+DIFF(4)
+DIFF(8)
+
+#define BY_WIDTH(e, CALL) \
+    switch (e) { case 1: CALL(1); break; case 2: CALL(2); break; case 4: CALL(4); break; default: CALL(8); }
+
+static inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Diff n elements of cur against snap; write snap = cur; encode the changes into out (room
+ * for pad8((n + 7) / 8) + n * e bytes) as the body of a record: their positions (int32,
+ * from 0) while there are at most cap of them, else a bitmap ((n + 7) / 8 bytes, bit i % 8
+ * of byte i / 8 for element i), each padded to 8 bytes, then their values, padded.
+ * Returns the count (-1: out of memory); *digest gets the digest (positions counted from
+ * start) and *body the body's bytes. */
+static int64_t diff_one(const uint8_t *cur, uint8_t *snap, int64_t n, int e, int64_t start,
+                        int64_t cap, uint8_t *out, int64_t *digest, int64_t *body) {
+    const int64_t bits = pad8((n + 7) / 8);
+    int32_t *pos = (int32_t *)out; /* 4 * cap <= bits: the positions fit where a bitmap would */
+    uint8_t *vals = out + bits;
+    uint64_t sum = 0;
+    int64_t k = 0;
+#define CALL(E) k = diff_##E(cur, snap, n, start, pos, cap, out, vals, &sum)
+    BY_WIDTH(e, CALL)
+#undef CALL
+    if (k < 0) return k;
+    const int64_t where = k > cap ? bits : pad8(4 * k);
+    memset(out + (k > cap ? (n + 7) / 8 : 4 * k), 0, (size_t)(where - (k > cap ? (n + 7) / 8 : 4 * k)));
+    memmove(out + where, vals, (size_t)(k * e));
+    memset(out + where + k * e, 0, (size_t)(pad8(k * e) - k * e));
+    *digest = (int64_t)sum;
+    *body = where + pad8(k * e);
+    return k;
+}
+
+enum { KIND_FULL = 0, KIND_SPARSE = 1, KIND_BITMAP = 2, KIND_DENSE = 3, KIND_NONE = -1 };
+
+/* Diff count pieces, one call for many (a call per piece costs more than a small piece's
+ * diff). Row i of rows: cur, snap (addresses), n, e, start, cap. The bodies go one after
+ * the other into out (room bytes: at least the sum of pad8((n + 7) / 8) + n * e); row i of
+ * results: kind (KIND_NONE: nothing changed; KIND_DENSE: the values whole are smaller, sent
+ * from cur, no body kept), count, digest, offset of its body in out, its bytes. Returns
+ * the bytes of out used, or -1 (out of memory). */
+int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t room, int64_t *results) {
+    int64_t used = 0;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t *row = rows + 6 * r;
+        const int64_t n = row[2], e = row[3], cap = row[5];
+        int64_t *res = results + 5 * r, digest = 0, body = 0;
+        if (used + pad8((n + 7) / 8) + n * e > room) return -1;
+        const int64_t k = diff_one((const uint8_t *)(intptr_t)row[0], (uint8_t *)(intptr_t)row[1], n, (int)e,
+                                   row[4], cap, out + used, &digest, &body);
+        if (k < 0) return -1;
+        /* as delta.py's torch path chooses: dense where e n <= the positions (or bitmap) + values */
+        const int kind = k == 0 ? KIND_NONE
+                       : e * n <= body - pad8(e * k) + e * k ? KIND_DENSE
+                       : k > cap ? KIND_BITMAP : KIND_SPARSE;
+        res[0] = kind, res[1] = k, res[2] = digest, res[3] = used, res[4] = body;
+        if (kind == KIND_SPARSE || kind == KIND_BITMAP) used += body;
+    }
+    return used;
+}
+
+/* The receiver's writes, for E-byte elements (E a constant: each copy one move), into dst:
+ * the first of n elements a record covers (start: its position in the tensor, for the
+ * digest, which is read against dst before each write). sparse: k values at positions pos,
+ * returns -1 or the index of the first position outside [0, n) (nothing written from there
+ * on). bitmap: the values at the set bits (the first k written), returns the number of set
+ * bits, or -1 where a bit lies past n. dense: n values. */
+#define APPLY(E)                                                                                \
+    static int64_t sparse_##E(uint8_t *dst, int64_t n, int64_t start, const int32_t *pos,      \
+                              const uint8_t *vals, int64_t k, uint64_t *digest) {               \
+        uint64_t sum = 0;                                                                       \
+        for (int64_t j = 0; j < k; j++) {                                                       \
+            int64_t i = pos[j];                                                                 \
+            if (i < 0 || i >= n) { *digest = sum; return j; }                                  \
+            sum += weight(start + i) * (load(vals + j * (E), E) - load(dst + i * (E), E));      \
+            memcpy(dst + i * (E), vals + j * (E), E);                                           \
+        }                                                                                       \
+        *digest = sum;                                                                          \
+        return -1;                                                                              \
+    }                                                                                           \
+    static int64_t bitmap_##E(uint8_t *dst, int64_t n, int64_t start, const uint8_t *bitmap,   \
+                              const uint8_t *vals, int64_t k, uint64_t *digest) {               \
+        uint64_t sum = 0;                                                                       \
+        int64_t j = 0;                                                                          \
+        for (int64_t byte = 0; byte < (n + 7) / 8; byte++) {                                    \
+            unsigned bits = bitmap[byte];                                                       \
+            while (bits) {                                                                      \
+                int64_t i = byte * 8 + __builtin_ctz(bits);                                     \
+                bits &= bits - 1;                                                               \
+                if (i >= n) return -1;                                                          \
+                if (j < k) {                                                                    \
+                    sum += weight(start + i) * (load(vals + j * (E), E) - load(dst + i * (E), E)); \
+                    memcpy(dst + i * (E), vals + j * (E), E);                                   \
+                }                                                                               \
+                j++;                                                                            \
+            }                                                                                   \
+        }                                                                                       \
+        *digest = sum;                                                                          \
+        return j;                                                                               \
+    }                                                                                           \
+    static void dense_##E(uint8_t *dst, int64_t n, int64_t start, const uint8_t *vals,          \
+                          uint64_t *digest) {                                                   \
+        uint64_t sum = 0;                                                                       \
+        for (int64_t i = 0; i < n; i++)                                                         \
+            sum += weight(start + i) * (load(vals + i * (E), E) - load(dst + i * (E), E));      \
+        memcpy(dst, vals, (size_t)(n * (E)));                                                   \
+        *digest = sum;                                                                          \
+    }
+
+APPLY(1)
+APPLY(2)
+APPLY(4)
+APPLY(8)
+
+/* Apply count records, one call for many. Row i of rows: kind, dst (address of the first
+ * element the record covers), n, e, start, where (positions or bitmap: address), vals
+ * (address), k. Row i of results: our digest (KIND_FULL: 0), and the status: KIND_SPARSE,
+ * -1 or the index of the first position out of range; KIND_BITMAP, the number of set bits
+ * (-1: a bit past n); otherwise 0. */
+void wb_apply_many(int64_t count, const int64_t *rows, int64_t *results) {
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t *row = rows + 8 * r;
+        uint8_t *dst = (uint8_t *)(intptr_t)row[1];
+        const uint8_t *where = (const uint8_t *)(intptr_t)row[5], *vals = (const uint8_t *)(intptr_t)row[6];
+        const int64_t kind = row[0], n = row[2], start = row[4], k = row[7];
+        uint64_t sum = 0;
+        int64_t status = 0;
+        if (kind == KIND_FULL) {
+            memcpy(dst, vals, (size_t)(n * row[3]));
+        } else {
+#define CALL(E)                                                                                   \
+    if (kind == KIND_DENSE) dense_##E(dst, n, start, vals, &sum);                                 \
+    else if (kind == KIND_SPARSE) status = sparse_##E(dst, n, start, (const int32_t *)where, vals, k, &sum); \
+    else status = bitmap_##E(dst, n, start, where, vals, k, &sum)
+            BY_WIDTH(row[3], CALL)
+#undef CALL
+        }
+        results[2 * r] = (int64_t)sum;
+        results[2 * r + 1] = status;
+    }
+}
