@@ -132,6 +132,8 @@ def test_kernels_make_the_records_torch_makes(dtype, capacity):
     for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
         _mutate(weights, fraction, 10 + step)
         got, want = _records_both(weights, manifest, sk, st, False, capacity)
+        # (in a batch the kernels' dense records come after the others: order is free)
+        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
         assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
         for a, b in zip(got, want, strict=True):
             assert torch.equal(_body(a), _body(b)), a.head  # bodies byte for byte (padding too)
@@ -215,3 +217,66 @@ def test_kernel_threads_setting(monkeypatch):
     monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "0")
     with pytest.raises(Exception, match="WEIGHTBUS_DELTA_THREADS"):
         kernels.threads()
+
+
+def test_malformed_buckets_are_refused_either_way(path):
+    """A bucket whose directory lies (a kind or tensor that does not exist, a range outside
+    the tensor, a record past the bucket's end, a bitmap whose bits disagree with its
+    count) is refused before a byte of it is written."""
+    weights, manifest = _setup()
+    snaps = dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _mutate(weights, 0.2, 4)  # (20 %: bitmaps)
+    recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+    slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8)
+    dm._fill(slot, recs)
+    heads = slot[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)
+    bitmap = next(i for i, r in enumerate(recs) if r.head[1] == dm.BITMAP)
+
+    def refused(row, col, value, match):
+        bad = slot.clone()
+        h = bad[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)
+        h[row, col] = value
+        before = [t.clone() for t in targets]
+        with pytest.raises(dm._Drift, match=match):
+            dm._apply(bad, bad.numel(), targets, manifest, False)
+        return before
+
+    refused(0, 1, 9, "malformed .*kind 9")
+    refused(0, 0, 99, "malformed .*tensor 99")
+    for col, value in ((2, 1 << 40), (3, -1), (2, (1 << 62))):  # start, n
+        before = refused(0, col, value, "lies outside")
+        assert all(torch.equal(a, b) for a, b in zip(before, targets, strict=True))  # nothing written
+    assert recs[0].head[1] != dm.DENSE
+    refused(0, 1, dm.DENSE, "runs past its bucket")  # its values whole: longer than what it carries
+    refused(bitmap, 4, int(heads[bitmap, 4]) - 1, "says .* changes but its bitmap has")
+
+
+@pytest.mark.parametrize("capacity", [1 << 20, 3000, 700])
+def test_buckets_of_blocks_land_bitwise(capacity, path):
+    """What an update sends: the kernels' blocks (or the torch path's records) packed into
+    buckets, a block split between buckets where it does not fit, each bucket filled and
+    applied: every tensor lands bitwise."""
+    shapes = [(f"t{i}", (64 + 37 * i,)) for i in range(60)] + [("big", (5000,))]
+    g = torch.Generator().manual_seed(9)
+    weights = [torch.randn(s, generator=g).to(torch.bfloat16) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, torch.bfloat16, s) for n, s in shapes)
+    snaps = dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    for step, fraction in enumerate([None, 0.02, 0.3]):
+        if fraction is not None:
+            _mutate(weights, fraction, 20 + step)
+        snaps.arenas.reset()
+        items = dm._records(_pieces(weights), manifest, snaps, fraction is None, capacity - 16)
+        buckets = list(dm._buckets(items, capacity - 8))
+        if fraction is not None and path == "kernels":
+            assert any(isinstance(it, dm.Block) for b in buckets for it in b)
+        for b in buckets:
+            size = 8 + sum(it.size for it in b)
+            assert size <= capacity - 8
+            slot = torch.zeros(size, dtype=torch.uint8)
+            dm._fill(slot, b)
+            dm._apply(slot, size, targets, manifest, fraction is None)
+        for w, t in zip(weights, targets, strict=True):
+            assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))

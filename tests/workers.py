@@ -558,7 +558,9 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
 
                 def bad(recs, capacity):  # every bucket a trainer sends passes here
                     for bucket in orig(recs, capacity):
-                        for r in bucket:
+                        # (a block's records are views of its body: flipping one flips the block)
+                        for r in (x for it in bucket for x in (it.records() if isinstance(it, dm.Block)
+                                                              else [it])):
                             if not bad.done and r.head[1] in (dm.SPARSE, dm.BITMAP):
                                 bad.done = True
                                 # the values end the body: flip a bit of the first, after its digest

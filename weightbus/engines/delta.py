@@ -139,6 +139,38 @@ class Record:
         self.size = _HEADER + sum(p.numel() for p in body)  # (its header sits in the directory)
 
 
+class Block:
+    """Records of one C-kernel call, kept columnar (tens of thousands of small tensors make
+    an object per record cost more than their diff): their header rows (int64 ``[m, 6]``,
+    digests included), each one's body bytes, and their bodies, one span of the arena."""
+
+    __slots__ = ("heads", "sizes", "body", "size")
+
+    def __init__(self, heads: torch.Tensor, sizes: list[int], body: torch.Tensor):
+        self.heads, self.sizes, self.body = heads, sizes, body
+        self.size = _HEADER * len(sizes) + body.numel()
+
+    def split(self, room: int) -> tuple[Block | None, Block]:
+        """The first records that fit in ``room`` bytes (None: not one), and the rest."""
+        used = taken = i = 0
+        while i < len(self.sizes) and used + _HEADER + self.sizes[i] <= room:
+            used += _HEADER + self.sizes[i]
+            taken += self.sizes[i]
+            i += 1
+        if i == 0:
+            return None, self
+        return (Block(self.heads[:i], self.sizes[:i], self.body[:taken]),
+                Block(self.heads[i:], self.sizes[i:], self.body[taken:]))
+
+    def records(self) -> list[Record]:
+        """The same records as objects (views of the body): to look at, not to send."""
+        out, at = [], 0
+        for (*head, digest), size in zip(self.heads.tolist(), self.sizes, strict=True):
+            out.append(Record(head, digest, [self.body[at:at + size]]))
+            at += size
+        return out
+
+
 def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
            full: bool, idx: torch.Tensor | None = None) -> Record | None:
     """One record for elements ``[start, start + n)`` of tensor ``index`` (``cur``: their
@@ -177,7 +209,7 @@ _BATCH = 1 << 20  # elements the C kernels diff per call at least (a call per sm
 
 
 def _diff_batch(lib: Any, batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                arenas: kernels.Arenas) -> tuple[list[list[int]], torch.Tensor]:
+                arenas: kernels.Arenas) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernels' diff of many host pieces, in one call, into an arena (on a kernel
     thread: all but the call itself stays on the caller's, which holds the GIL)."""
     # k <= cap exactly when _pad(4 k) <= _pad(bitmap bytes)
@@ -187,14 +219,21 @@ def _diff_batch(lib: Any, batch: list[tuple[int, int, torch.Tensor, torch.Tensor
 
 
 def _batch_records(batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                   done: tuple[list[list[int]], torch.Tensor]) -> Iterator[Record]:
-    """The records of a diffed batch: positions while they are no larger than a bitmap,
-    dense where that is smaller still (the kernel chose, as ``encode`` does)."""
-    rows, out = done
-    for (index, start, part, _), (kind, k, digest, offset, nbytes) in zip(batch, rows, strict=True):
-        if kind in (SPARSE, BITMAP, DENSE):
-            body = _padded(part.view(torch.uint8)) if kind == DENSE else out[offset:offset + nbytes]
-            yield Record([index, kind, start, part.numel(), k], digest, [body])
+                   done: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Record | Block]:
+    """The records of a diffed batch (the kernel chose each one's kind, as ``encode``
+    does): positions or bitmaps as one :class:`Block`, the few dense ones as records."""
+    results, out = done
+    kind, k, digest, nbytes = results[:, 0], results[:, 1], results[:, 2], results[:, 4]
+    kept = (kind == SPARSE) | (kind == BITMAP)  # (their bodies lie in out one after the other)
+    if bool(kept.any()):
+        at = torch.tensor([(i, start, part.numel()) for i, start, part, _ in batch], dtype=torch.int64)
+        heads = torch.stack([at[:, 0], kind, at[:, 1], at[:, 2], k, digest], 1)[kept]  # as Record.head
+        sizes = nbytes[kept].tolist()
+        yield Block(heads.contiguous(), sizes, out[:sum(sizes)])
+    for i in (kind == DENSE).nonzero().squeeze(1).tolist():
+        index, start, part, _ = batch[i]
+        yield Record([index, DENSE, start, part.numel(), int(k[i])], int(digest[i]),
+                     [_padded(part.view(torch.uint8))])
 
 
 def _padded(b: torch.Tensor) -> torch.Tensor:
@@ -217,31 +256,42 @@ def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
 def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
             full: bool, capacity: int) -> list[Record]:
     """Every record of this rank's pieces, each at most ``capacity`` bytes with its header,
-    their digests read back from the device at once."""
+    their digests read back from the device at once (as objects, to look at: updates send
+    the kernels' blocks as they are)."""
     snaps.arenas.reset()  # (the last update's records are sent)
-    return _read_digests(list(_records(pieces, manifest, snaps, full, capacity)))
+    made = _read_digests(list(_records(pieces, manifest, snaps, full, capacity)))
+    return [r for it in made for r in (it.records() if isinstance(it, Block) else [it])]
 
 
-def _read_digests(recs: list[Record]) -> list[Record]:
+def _read_digests(items: list[Any]) -> list[Any]:
     """The digests still on the device (torch path), read back with one wait."""
-    pending = [r for r in recs if isinstance(r.digest, torch.Tensor)]
+    pending = [r for r in items if isinstance(r, Record) and isinstance(r.digest, torch.Tensor)]
     if pending:
         for r, d in zip(pending, torch.stack([r.digest for r in pending]).tolist(), strict=True):
             r.digest = d
-    return recs
+    return items
 
 
-def _buckets(recs: Iterator[Record], capacity: int) -> Iterator[list[Record]]:
+def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Record | Block]]:
     """Records packed whole, in the order made, into buckets of at most ``capacity`` bytes
-    (with the record count), their digests read back."""
-    out: list[Record] = []
+    (with the record count), their digests read back; a block is split between buckets."""
+    out: list[Record | Block] = []
     used = 8
-    for rec in recs:
-        if out and used + rec.size > capacity:
+    for it in items:
+        while isinstance(it, Block) and used + it.size > capacity:
+            head, it = it.split(capacity - used)
+            if head is None and not out:
+                raise RuntimeError(f"a delta record of {_HEADER + it.sizes[0]} bytes does not fit a "
+                                   f"bucket of {capacity}")
+            if head is not None:
+                out.append(head)
             yield _read_digests(out)
             out, used = [], 8
-        out.append(rec)
-        used += rec.size
+        if out and used + it.size > capacity:
+            yield _read_digests(out)
+            out, used = [], 8
+        out.append(it)
+        used += it.size
     if out:
         yield _read_digests(out)
 
@@ -333,7 +383,7 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     full = engine.last_full = not _agree(engine, held, None)
     snaps.version = None  # until this update completes
     capacity = engine.bucket_size - TRAILER_BYTES - 8
-    mine: list[list[Record]] = []  # this rank's buckets
+    mine: list[list[Record | Block]] = []  # this rank's buckets
     if error is None and stream is not None:
         try:
             with torch.no_grad():
@@ -361,15 +411,28 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     return error, wire, len(plan)
 
 
-def _fill(slot: torch.Tensor, recs: list[Record]) -> None:
+def _fill(slot: torch.Tensor, items: list[Record | Block]) -> None:
     """A bucket: the record count and every header first (one read on the receiver), then
     the bodies in the same order."""
-    directory = torch.tensor([len(recs)] + [w for r in recs for w in (*r.head, r.digest)], dtype=torch.int64)
-    raw = directory.view(torch.uint8)
+    heads: list[torch.Tensor] = []
+    rows: list[list[int]] = []  # records' header rows, until the next block
+    for it in items:
+        if isinstance(it, Block):
+            if rows:
+                heads.append(torch.tensor(rows, dtype=torch.int64))
+                rows = []
+            heads.append(it.heads)
+        else:
+            rows.append([*it.head, it.digest])
+    if rows:
+        heads.append(torch.tensor(rows, dtype=torch.int64))
+    count = sum(len(h) for h in heads)
+    raw = torch.cat([torch.tensor([count], dtype=torch.int64), *(h.reshape(-1) for h in heads)])
+    raw = raw.view(torch.uint8)
     slot[:raw.numel()].copy_(raw)
     offset = raw.numel()
-    for r in recs:
-        for p in r.body:
+    for it in items:
+        for p in ([it.body] if isinstance(it, Block) else it.body):
             slot[offset:offset + p.numel()].copy_(p, non_blocking=True)
             offset += p.numel()
 
@@ -470,15 +533,16 @@ def _where(t: torch.Tensor) -> tuple[int, int, int, bool]:
 
 
 class _Targets(list):  # type: ignore[type-arg]
-    """The flat destination of every tensor, with each one's :func:`_where` (read once per
-    update, not per record)."""
+    """The flat destination of every tensor and, read once per update (not per record),
+    their addresses, sizes and element sizes as tensors, and whether all are in host
+    memory (then a bucket is laid out by tensor ops and written by the C kernels)."""
 
     def __init__(self, flat: list[torch.Tensor]):
         super().__init__(flat)
-        self._at = [_where(t) for t in flat]
-
-    def at(self, index: int) -> tuple[int, int, int, bool]:
-        return self._at[index]
+        at = [_where(t) for t in flat]
+        self.addr, self.size, self.esize = (torch.tensor([w[i] for w in at], dtype=torch.int64)
+                                            for i in range(3))
+        self.host = all(w[3] for w in at)
 
 
 def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Tensor]
@@ -518,19 +582,20 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
     count = int(slot[:8].view(torch.int64).item())
     if not 0 <= count <= (used - 8) // _HEADER:
         raise _Drift(f"a delta bucket is malformed (it says {count} records in {used} bytes)")
+    if not isinstance(targets, _Targets):
+        targets = _Targets(targets)
+    lib = kernels.usable(slot)
+    if lib is not None and targets.host and count:
+        return _apply_host(lib, slot, used, count, targets, manifest)
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
     bounds: list[tuple[int, torch.Tensor]] = []  # (record, whether a position was out of range)
-    lib = kernels.usable(slot)
-    base = slot.data_ptr()
-    native: list[list[int]] = []  # rows for the C kernels
-    native_of: list[int] = []  # their records
     for r, (index, kind, start, n, k, digest) in enumerate(heads):
         if not 0 <= index < len(targets) or kind not in (FULL, SPARSE, BITMAP, DENSE):
             raise _Drift(f"a delta record is malformed (tensor {index}, kind {kind})")
         dst = targets[index]
-        addr, size, e, host = targets.at(index) if isinstance(targets, _Targets) else _where(dst)
+        size, e = dst.numel(), dst.element_size()
         if start < 0 or n < 0 or not 0 <= k <= n or start + n > size:
             raise _Drift(f"tensor {manifest.metas[index].name!r}: a record for elements [{start}, "
                          f"{start + n}) lies outside its {size}")
@@ -542,10 +607,6 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         if offset > used:
             raise _Drift(f"tensor {manifest.metas[index].name!r}: a delta record runs past its bucket")
         total += digest if kind != FULL else 0
-        if lib is not None and host:
-            native.append([kind, addr + start * e, n, e, start, base + where, base + values, k])
-            native_of.append(r)
-            continue
         meta = manifest.metas[index]
         sub = dst[start:start + n]
         if kind == FULL:
@@ -559,15 +620,6 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
             vals = slot[values:values + k * e].view(meta.dtype)
             checks.append((r, _apply_torch(kind, raw, vals, sub, n, k, start, meta.name, r, bounds), digest))
     bad = set()
-    if native:
-        for r, (ours, status) in zip(native_of, kernels.apply_many(lib, native), strict=True):
-            index, kind, start, n, k, digest = heads[r]
-            if kind == BITMAP and status != k:
-                raise _Drift(f"tensor {manifest.metas[index].name!r}: a patch of elements [{start}, "
-                             f"{start + n}) says {k} changes but its bitmap has "
-                             f"{'bits past its end' if status < 0 else status}")
-            if (kind == SPARSE and status >= 0) or (kind in (SPARSE, BITMAP, DENSE) and ours != digest):
-                bad.add(r)
     if bounds:
         flags = torch.stack([f for _, f in bounds]).tolist()
         bad |= {r for (r, _), f in zip(bounds, flags, strict=True) if f}
@@ -576,11 +628,53 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         theirs = torch.tensor([d for _, _, d in checks], dtype=torch.int64, device=slot.device)
         bad |= {checks[i][0] for i in (ours != theirs).nonzero().squeeze(1).tolist()}
     if bad:
-        index, _, start, n, _, digest = heads[min(bad)]
-        raise _Drift(f"tensor {manifest.metas[index].name!r}: elements [{start}, {start + n}) do not match "
-                     f"the trainer's after the patch (its digest {digest:#x}): the patch, or this rank's "
-                     f"copy of the previous version, is corrupt")
+        raise _mismatch(heads[min(bad)], manifest)
     return total
+
+
+def _mismatch(head: list[int], manifest: Manifest) -> _Drift:
+    index, _, start, n, _, digest = head
+    return _Drift(f"tensor {manifest.metas[index].name!r}: elements [{start}, {start + n}) do not match "
+                  f"the trainer's after the patch (its digest {digest:#x}): the patch, or this rank's "
+                  f"copy of the previous version, is corrupt")
+
+
+def _apply_host(lib: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
+                manifest: Manifest) -> int:
+    """``_apply`` for host tensors: the directory checked and laid out by tensor ops (no
+    Python per record: models have tens of thousands of tensors), every record written by
+    the C kernels in one call per thread, then every check at once."""
+    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS)
+    index, kind, start, n, k, digest = heads.unbind(1)
+
+    def first(bad: torch.Tensor) -> list[int] | None:
+        return heads[int(bad.nonzero()[0, 0])].tolist() if bool(bad.any()) else None
+
+    if (h := first((index < 0) | (index >= len(targets)) | (kind < FULL) | (kind > DENSE))) is not None:
+        raise _Drift(f"a delta record is malformed (tensor {h[0]}, kind {h[1]})")
+    size, e = targets.size[index], targets.esize[index]
+    # (each bound apart first: no sum of two huge numbers can wrap around)
+    if (h := first((start < 0) | (n < 0) | (k < 0) | (k > n) | (start > size) | (n > size)
+                   | (start + n > size))) is not None:
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a record for elements [{h[2]}, {h[2] + h[3]}) "
+                     f"lies outside its {targets[h[0]].numel()}")
+    sparse, bitmap = kind == SPARSE, kind == BITMAP
+    where = torch.where(sparse, (4 * k + 7) // 8 * 8, torch.where(bitmap, ((n + 7) // 8 + 7) // 8 * 8, 0))
+    values = (torch.where(sparse | bitmap, k, n) * e + 7) // 8 * 8
+    end = torch.cumsum(where + values, 0) + (8 + count * _HEADER)
+    if (h := first(end > used)) is not None:
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a delta record runs past its bucket")
+    at = slot.data_ptr() + end - values - where  # each record's first byte
+    rows = torch.stack([kind, targets.addr[index] + start * e, n, e, start, at, at + where, k], 1)
+    ours, status = kernels.apply_many(lib, rows).unbind(1)
+    miscounted = bitmap & (status != k)
+    if (h := first(miscounted)) is not None:
+        got = int(status[int(miscounted.nonzero()[0, 0])])
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a patch of elements [{h[2]}, {h[2] + h[3]}) "
+                     f"says {h[4]} changes but its bitmap has {'bits past its end' if got < 0 else got}")
+    if (h := first((sparse & (status >= 0)) | ((kind != FULL) & (ours != digest)))) is not None:
+        raise _mismatch(h, manifest)
+    return sum(digest[kind != FULL].tolist())
 
 
 # ------------------------------------------------------------------ both sides

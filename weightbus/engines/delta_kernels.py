@@ -212,11 +212,12 @@ def room(n: int, e: int) -> int:
 
 
 def diff_many(lib: ctypes.CDLL, pieces: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-              arena: Arena) -> tuple[list[list[int]], torch.Tensor]:
+              arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
     """Diff every ``(cur, snap, start, cap)`` (flat host tensors, the same dtype) and set each
     ``snap`` to its ``cur``, in one call. Returns a row per piece, ``[kind, changed count,
     digest, offset, bytes]`` (kind: -1 nothing changed, 1 positions, 2 bitmap, 3 dense:
-    send ``cur`` whole), and the room in ``arena`` the bodies lie in (taken)."""
+    send ``cur`` whole), an int64 tensor, and the room in ``arena`` the bodies lie in, one
+    after the other (taken)."""
     rows = torch.tensor([[c.data_ptr(), s.data_ptr(), c.numel(), c.element_size(), start, cap]
                          for c, s, start, cap in pieces], dtype=torch.int64)
     need = sum(room(c.numel(), c.element_size()) for c, _, _, _ in pieces)
@@ -226,34 +227,31 @@ def diff_many(lib: ctypes.CDLL, pieces: list[tuple[torch.Tensor, torch.Tensor, i
     if used < 0:
         raise MemoryError(f"delta mode's diff of {len(pieces)} pieces: out of host memory")
     arena.take(used)
-    return results.tolist(), out
+    return results, out
 
 
-def apply_many(lib: ctypes.CDLL, rows: list[list[int]]) -> list[list[int]]:
-    """Write every record ``[kind, dst address, n, e, start, positions or bitmap address,
-    values address, k]``, in one call per thread. Returns ``[our digest, status]`` per
-    record (see ``wb_apply_many``)."""
-    table = torch.tensor(rows, dtype=torch.int64)
-    results = torch.zeros(len(rows), 2, dtype=torch.int64)
-    # split by bytes written, so the threads get about as much work
-    weight = [r[2] * r[3] if r[0] in (0, 3) else r[7] * r[3] for r in rows]
-    parts, total, acc, lo = [], sum(weight) or 1, 0, 0
-    n = threads()
-    for i, w in enumerate(weight):
-        acc += w
-        if acc * n >= total * (len(parts) + 1) and len(parts) < n - 1:
-            parts.append((lo, i + 1))
-            lo = i + 1
-    parts.append((lo, len(rows)))
+def apply_many(lib: ctypes.CDLL, rows: torch.Tensor) -> torch.Tensor:
+    """Write every record, a row ``[kind, dst address, n, e, start, positions or bitmap
+    address, values address, k]`` of ``rows`` (int64), in one call per thread. Returns
+    ``[our digest, status]`` per record (see ``wb_apply_many``)."""
+    table = rows.contiguous()
+    results = torch.zeros(len(table), 2, dtype=torch.int64)
+    # split where the bytes written are even, so the threads get about as much work
+    kind, n, e, k = table[:, 0], table[:, 2], table[:, 3], table[:, 7]
+    work = torch.cumsum(torch.where((kind == 0) | (kind == 3), n, k) * e, 0)
+    parts = threads()
+    cuts = torch.searchsorted(work, work[-1] * torch.arange(1, parts) // parts, right=True).tolist() \
+        if parts > 1 and len(table) > 1 else []
+    bounds = [0, *cuts, len(table)]
 
     def run(lo: int, hi: int) -> None:
         if hi > lo:
             lib.wb_apply_many(hi - lo, table.data_ptr() + 64 * lo, results.data_ptr() + 16 * lo)
 
     jobs = Jobs()
-    for lo, hi in parts:
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         for _ in jobs.submit(run, lo, hi):
             pass
     for _ in jobs.drain():
         pass
-    return results.tolist()
+    return results
