@@ -267,7 +267,6 @@ def test_buckets_of_blocks_land_bitwise(capacity, path):
     for step, fraction in enumerate([None, 0.02, 0.3]):
         if fraction is not None:
             _mutate(weights, fraction, 20 + step)
-        snaps.arenas.reset()
         items = dm._records(_pieces(weights), manifest, snaps, fraction is None, capacity - 16)
         buckets = list(dm._buckets(items, capacity - 8))
         if fraction is not None and path == "kernels":

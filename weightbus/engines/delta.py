@@ -176,7 +176,7 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
     """One record for elements ``[start, start + n)`` of tensor ``index`` (``cur``: their
     new values, flat, wire dtype), or None where nothing changed. Updates ``snap`` to
     ``cur``. ``idx``: the changed positions, where the caller found them already (else this
-    waits for the device once, to count them). The torch path: see ``_encode_cpu`` for the
+    waits for the device once, to count them). The torch path: see ``_diff_batch`` for the
     C kernels' (the same record, made in one pass over memory)."""
     n, e = cur.numel(), cur.element_size()
     if full or snap is None:
@@ -258,7 +258,6 @@ def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest,
     """Every record of this rank's pieces, each at most ``capacity`` bytes with its header,
     their digests read back from the device at once (as objects, to look at: updates send
     the kernels' blocks as they are)."""
-    snaps.arenas.reset()  # (the last update's records are sent)
     made = _read_digests(list(_records(pieces, manifest, snaps, full, capacity)))
     return [r for it in made for r in (it.records() if isinstance(it, Block) else [it])]
 
@@ -297,7 +296,8 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
 
 
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
-             full: bool, capacity: int) -> Iterator[Record]:
+             full: bool, capacity: int) -> Iterator[Record | Block]:
+    snaps.arenas.reset()  # a new update: the last one's records are sent
     group: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # diffed together (GPU)
     size = 0
     jobs = kernels.Jobs()  # the C kernels' calls (host tensors), on their threads
@@ -387,7 +387,6 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     if error is None and stream is not None:
         try:
             with torch.no_grad():
-                snaps.arenas.reset()  # (the last update's records are sent)
                 mine = list(_buckets(_records(pieces_of(stream, engine.trainer_rank, engine.n_senders),
                                               manifest, snaps, full, capacity - 8), capacity))
         except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
@@ -550,11 +549,11 @@ def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Ten
     """Every tensor's destination, flat and checked; kept for the next update while the
     destinations are the same tensors at the same addresses (a check per tensor that costs
     a fraction of making them: models with many small tensors)."""
-    held = getattr(engine, "_delta_targets", None)
+    held = getattr(engine, "_delta_targets", None)  # (dest, fingerprint, size, tensors, targets)
     fp = manifest.tensors_fingerprint
-    if held is not None and held[0] is dest and held[1] == fp and len(dest) == held[4] \
-            and all(t.data_ptr() == a for t, a in zip(held[2], held[3], strict=True)):
-        return held[5], None
+    if held is not None and held[0] is dest and held[1] == fp and held[2] == len(dest) \
+            and [t.data_ptr() for t in held[3]] == held[4].addr.tolist():
+        return held[4], None
     out: list[torch.Tensor | None] = []
     originals = []
     for m in manifest.metas:
@@ -567,8 +566,7 @@ def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Ten
         originals.append(t)
         out.append(t.view(-1))
     targets = _Targets(out)
-    engine._delta_targets = (dest, fp, originals, [t.data_ptr() for t in originals],  # type: ignore[attr-defined]
-                             len(dest), targets)
+    engine._delta_targets = (dest, fp, len(dest), originals, targets)  # type: ignore[attr-defined]
     return targets, None
 
 

@@ -94,7 +94,7 @@ def usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     if lib is None:
         return None
     for t in tensors:
-        if t.is_cuda or t.device.type != "cpu" or not t.is_contiguous():
+        if t.device.type != "cpu" or not t.is_contiguous():
             return None
     return lib
 
