@@ -4,10 +4,13 @@ bits, the GPU grouping finds the same changes as the per-piece diff, and a corru
 misplaced patch is caught naming the tensor. (Across processes, with real
 optimizer steps and FSDP2 shards: tests/test_engines.py and tests/test_manager.py.)"""
 
+import sys
+
 import pytest
 import torch
 
 from weightbus.engines import delta as dm
+from weightbus.engines import delta_gpu as gpu
 from weightbus.engines import delta_kernels as kernels
 from weightbus.plan import Manifest, TensorMeta
 
@@ -36,7 +39,7 @@ def _mutate(weights, fraction, seed):
 
 
 def _deliver(recs, targets, manifest, full):
-    slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8)
+    slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8, device=targets[0].device)
     dm._fill(slot, recs)
     return dm._apply(slot, slot.numel(), targets, manifest, full)
 
@@ -70,7 +73,7 @@ def test_grouped_diff_finds_the_same_changes():
     snaps = [w.view(-1).clone() for w in weights]
     _mutate(weights, 0.05, 7)
     group = [(i, 0, w.view(-1), s.clone()) for i, (w, s) in enumerate(zip(weights, snaps, strict=True))]
-    grouped = list(dm._encode_group(group))
+    grouped = list(dm._encode_group(group, dm.Snapshots()))
     single = [dm.encode(i, 0, w.view(-1), s.clone(), False) for i, (w, s) in enumerate(zip(weights, snaps,
                                                                                           strict=True))]
     single = [r for r in single if r is not None]
@@ -90,13 +93,38 @@ def test_changed_positions(dtype, n):
         assert torch.equal(dm._changed(dm._bits(b)[sl], dm._bits(a)[sl]).sort().values, want)
 
 
-@pytest.fixture(params=["kernels", "torch"])
+_interpreting: list[bool] = []  # (whether this process imported Triton to interpret)
+
+
+def _as_on_a_gpu(monkeypatch):
+    """Host tensors through the GPU's path: grouped, diffed and patched by the Triton kernels
+    run by Triton's interpreter (CI has no GPU; the kernels are the ones a GPU compiles)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the compiled kernels (test_gpu_kernels_on_cuda): Triton cannot also "
+                    "interpret them in this process")
+    if "triton" in sys.modules and not _interpreting:
+        pytest.skip("Triton was imported before its interpreter was asked for")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (read as Triton is imported)
+    pytest.importorskip("triton")
+    _interpreting.append(True)
+    monkeypatch.setattr(gpu, "_kernels", None)
+    monkeypatch.setattr(gpu, "_tried", False)
+    monkeypatch.setattr(kernels, "usable", lambda *tensors: None)
+    monkeypatch.setattr(gpu, "usable", lambda *tensors: gpu.kernels())
+    monkeypatch.setattr(dm, "_grouped", lambda t: True)
+    assert gpu.kernels() is not None
+
+
+@pytest.fixture(params=["kernels", "torch", "triton"])
 def path(request, monkeypatch):
-    """Both ways a host tensor is diffed and patched: the C kernels, and torch's ops."""
+    """Every way a tensor is diffed and patched: the C kernels, torch's ops, and the GPU's
+    Triton kernels."""
     if request.param == "kernels":
         assert kernels.library() is not None, "the C kernels did not build (is there a C compiler?)"
-    else:
+    elif request.param == "torch":
         monkeypatch.setattr(kernels, "usable", lambda *tensors: None)
+    else:
+        _as_on_a_gpu(monkeypatch)
     return request.param
 
 
@@ -140,6 +168,81 @@ def test_kernels_make_the_records_torch_makes(dtype, capacity):
         kinds |= {r.head[1] for r in got}
         assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)  # snapshots too
     assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("capacity", [1 << 20, 1000])
+def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, monkeypatch):
+    """The Triton kernels' records (kinds, digests, bodies with their padding) and snapshots
+    are the torch path's, bit for bit."""
+    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33))]
+    g = torch.Generator().manual_seed(4)
+    weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
+    sk, st = dm.Snapshots(), dm.Snapshots()
+    want = [dm.records(_pieces(weights), manifest, st, True, capacity)]
+    with monkeypatch.context() as m:
+        _as_on_a_gpu(m)
+        got = [dm.records(_pieces(weights), manifest, sk, True, capacity)]
+    kinds = set()
+    for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
+        _mutate(weights, fraction, 20 + step)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "usable", lambda *tensors: None)
+            want = dm.records(_pieces(weights), manifest, st, False, capacity)
+        with monkeypatch.context() as m:
+            _as_on_a_gpu(m)
+            got = dm.records(_pieces(weights), manifest, sk, False, capacity)
+        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
+        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(_body(a), _body(b)), a.head
+        kinds |= {r.head[1] for r in got}
+        assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)
+    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the interpreter covers the logic)")
+def test_gpu_kernels_on_cuda(monkeypatch):
+    """On a GPU, compiled: the Triton kernels' records are the torch path's (a model of two
+    element sizes, records split between buckets), land bitwise, and a corrupt value is
+    named."""
+    assert gpu.kernels() is not None, "no Triton on this GPU machine"
+    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33)), ("f", (70000,))]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.uint8, torch.float64, torch.bfloat16]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    weights = [(torch.randn(s, generator=g, device="cuda") * 20).to(d) for (_, s), d in zip(shapes, dtypes,
+                                                                                             strict=True)]
+    manifest = Manifest(TensorMeta(n, d, s) for (n, s), d in zip(shapes, dtypes, strict=True))
+    sk, st = dm.Snapshots(), dm.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(dm.records(_pieces(weights), manifest, sk, True, 1 << 20), targets, manifest, True)
+    dm.records(_pieces(weights), manifest, st, True, 1 << 20)
+    kinds = set()
+    for fraction in [0.0005, 0.01, 0.05, 0.3, 0.95]:
+        for w in weights:
+            flat = dm._bits(w.view(-1))
+            flat[torch.randint(0, flat.numel(), (max(1, round(flat.numel() * fraction)),), device="cuda",
+                               generator=g)] += 1
+        got = dm.records(_pieces(weights), manifest, sk, False, 5000)
+        with monkeypatch.context() as m:
+            m.setattr(gpu, "usable", lambda *tensors: None)
+            want = dm.records(_pieces(weights), manifest, st, False, 5000)
+        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
+        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
+        assert all(torch.equal(_body(a), _body(b)) for a, b in zip(got, want, strict=True))
+        kinds |= {r.head[1] for r in got}
+        _deliver(got, targets, manifest, False)
+        assert all(torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+                   for w, t in zip(weights, targets, strict=True))
+    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+    dm._bits(weights[5].view(-1))[[3, 5000, 60000]] += 1
+    recs = dm.records(_pieces(weights), manifest, sk, False, 5000)  # (the capacity the snapshots were cut by)
+    assert [r.head[:2] for r in recs] == [[5, dm.SPARSE]] * 3
+    recs[0].body = [_body(recs[0])]
+    recs[0].body[0][-8] ^= 1  # (a byte of its values)
+    with pytest.raises(dm._Drift, match="tensor 'f': elements .* do not match the trainer's"):
+        _deliver(recs, targets, manifest, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

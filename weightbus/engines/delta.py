@@ -32,8 +32,8 @@ Per update, after the core's header:
    the tensor and the range, never silent.
 
 On a host, step 2 and step 4 run as C kernels (:mod:`.delta_kernels`: one pass over memory
-each, on a few threads); elsewhere, or without a C compiler, as torch ops (the same
-records, bit for bit).
+each, on a few threads); on a GPU as Triton kernels (:mod:`.delta_gpu`: many pieces per
+launch); without a C compiler or Triton, as torch ops (the same records, bit for bit).
 
 Why hand-written: no library of the field diffs sharded tensors and applies the patches
 into an inference engine's own tensors (verl's ``delta_sharded`` gathers the changes to
@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightbus import buffers
+from weightbus.engines import delta_gpu as gpu
 from weightbus.engines import delta_kernels as kernels
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
@@ -62,7 +63,8 @@ _NEUTRAL = -(1 << 62)  # a rank with no say in a field of the agreement
 _MASK = (1 << 62) - 1
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SLICE = 1 << 22  # elements per step of a weighted sum over a dense range (bounds temporaries)
-_GROUP = 1 << 28  # elements diffed together on a GPU (their mask: 256 MB)
+_GROUP = 1 << 29  # elements diffed together on a GPU (at most 1 GB of bf16 casts held; the torch
+# path's mask: 512 MB)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +128,18 @@ class Snapshots:
         self.fingerprint: int | None = None
         self.pieces: dict[tuple[int, int], torch.Tensor] = {}
         self.arenas = kernels.Arenas()  # where the CPU kernels encode, kept across updates
+        self.device_arenas: dict[torch.device, kernels.Arena] = {}  # where the GPU kernels do
+
+    def reset(self) -> None:
+        """A new update: the last one's records are sent, their arenas free again."""
+        self.arenas.reset()
+        for a in self.device_arenas.values():
+            a.reset()
+
+    def device_arena(self, device: torch.device) -> kernels.Arena:
+        if device not in self.device_arenas:
+            self.device_arenas[device] = kernels.Arena(device=device)
+        return self.device_arenas[device]
 
 
 class Record:
@@ -297,7 +311,7 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
 
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
              full: bool, capacity: int) -> Iterator[Record | Block]:
-    snaps.arenas.reset()  # a new update: the last one's records are sent
+    snaps.reset()
     group: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # diffed together (GPU)
     size = 0
     jobs = kernels.Jobs()  # the C kernels' calls (host tensors), on their threads
@@ -319,11 +333,11 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
             if snap is None or snap.numel() != part.numel():
                 snap = snaps.pieces[key] = torch.empty_like(part)
                 got = encode(index, start + lo, part, snap, True)
-            elif not full and part.device.type == "cuda":
+            elif not full and _grouped(part):
                 group.append((index, start + lo, part, snap))
                 size += part.numel()
                 if size >= _GROUP:
-                    yield from _encode_group(group)
+                    yield from _encode_group(group, snaps)
                     group, size = [], 0
                 continue
             elif not full and (lib := kernels.usable(part)) is not None:  # (snap: made like part)
@@ -345,14 +359,30 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
             yield from _batch_records(sent.popleft(), done)
     for done in jobs.drain():
         yield from _batch_records(sent.popleft(), done)
-    yield from _encode_group(group)
+    yield from _encode_group(group, snaps)
 
 
-def _encode_group(group: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[Record]:
-    """Diff many pieces with two waits for the device in all (a wait per piece costs more
-    than its compare on a GPU): their masks side by side, one ``nonzero``, one count per
-    piece."""
+def _grouped(t: torch.Tensor) -> bool:
+    """Whether a piece is diffed with others of its device at once (a GPU's)."""
+    return t.device.type == "cuda"
+
+
+def _encode_group(group: list[tuple[int, int, torch.Tensor, torch.Tensor]], snaps: Snapshots
+                  ) -> Iterator[Record | Block]:
+    """Diff many device pieces with two waits for the device in all (a wait per piece costs
+    more than its compare on a GPU): by the GPU kernels, a launch per device and element
+    size for the counts and one for the records; else by torch ops, their masks side by
+    side, one ``nonzero``, one count per piece."""
     if not group:
+        return
+    if gpu.usable(*(p for _, _, p, _ in group)) is not None:
+        alike: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        for g in group:
+            alike.setdefault((g[2].device, g[2].element_size()), []).append(g)
+        for (device, _), batch in alike.items():
+            done = gpu.diff_many([(part, snap, start) for _, start, part, snap in batch],
+                                 snaps.device_arena(device))
+            yield from _batch_records(batch, done)
         return
     total = sum(p.numel() for _, _, p, _ in group)
     mask = torch.empty(total, dtype=torch.bool, device=group[0][2].device)
@@ -526,22 +556,19 @@ def _apply_torch(kind: int, raw: torch.Tensor, vals: torch.Tensor, sub: torch.Te
     return _weighted(pos + start, _bits(vals).long() - old.long())
 
 
-def _where(t: torch.Tensor) -> tuple[int, int, int, bool]:
-    """A flat target's (address, elements, element bytes, whether in host memory)."""
-    return t.data_ptr(), t.numel(), t.element_size(), t.device.type == "cpu"
-
-
 class _Targets(list):  # type: ignore[type-arg]
     """The flat destination of every tensor and, read once per update (not per record),
-    their addresses, sizes and element sizes as tensors, and whether all are in host
-    memory (then a bucket is laid out by tensor ops and written by the C kernels)."""
+    their addresses, sizes and element sizes as (host) tensors, and the device all are on
+    (None: more than one; then a bucket is laid out by tensor ops and written by the
+    kernels of that device)."""
 
     def __init__(self, flat: list[torch.Tensor]):
         super().__init__(flat)
-        at = [_where(t) for t in flat]
+        at = [(t.data_ptr(), t.numel(), t.element_size()) for t in flat]
         self.addr, self.size, self.esize = (torch.tensor([w[i] for w in at], dtype=torch.int64)
                                             for i in range(3))
-        self.host = all(w[3] for w in at)
+        devices = {t.device for t in flat}
+        self.device = devices.pop() if len(devices) == 1 else None
 
 
 def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Tensor]
@@ -582,9 +609,13 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         raise _Drift(f"a delta bucket is malformed (it says {count} records in {used} bytes)")
     if not isinstance(targets, _Targets):
         targets = _Targets(targets)
-    lib = kernels.usable(slot)
-    if lib is not None and targets.host and count:
-        return _apply_host(lib, slot, used, count, targets, manifest)
+    if count and targets.device == slot.device:
+        if (lib := kernels.usable(slot)) is not None:
+            return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
+                                 manifest)
+        if gpu.usable(slot) is not None:
+            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device), slot, used, count, targets,
+                                 manifest)
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
@@ -637,12 +668,13 @@ def _mismatch(head: list[int], manifest: Manifest) -> _Drift:
                   f"copy of the previous version, is corrupt")
 
 
-def _apply_host(lib: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
-                manifest: Manifest) -> int:
-    """``_apply`` for host tensors: the directory checked and laid out by tensor ops (no
-    Python per record: models have tens of thousands of tensors), every record written by
-    the C kernels in one call per thread, then every check at once."""
-    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS)
+def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
+                  manifest: Manifest) -> int:
+    """``_apply`` by the kernels (C on a host, Triton on a GPU): the directory read once,
+    checked and laid out by tensor ops (no Python per record: models have tens of thousands
+    of tensors), every record written by ``apply_rows`` (a row per record, see
+    ``delta_kernels.apply_many``), then every check at once."""
+    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).cpu()
     index, kind, start, n, k, digest = heads.unbind(1)
 
     def first(bad: torch.Tensor) -> list[int] | None:
@@ -664,7 +696,7 @@ def _apply_host(lib: Any, slot: torch.Tensor, used: int, count: int, targets: _T
         raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a delta record runs past its bucket")
     at = slot.data_ptr() + end - values - where  # each record's first byte
     rows = torch.stack([kind, targets.addr[index] + start * e, n, e, start, at, at + where, k], 1)
-    ours, status = kernels.apply_many(lib, rows).unbind(1)
+    ours, status = apply_rows(rows).unbind(1)
     miscounted = bitmap & (status != k)
     if (h := first(miscounted)) is not None:
         got = int(status[int(miscounted.nonzero()[0, 0])])

@@ -10,7 +10,7 @@ Built on first use with the system's C compiler (``$CC``, else ``cc``) into
 machine, and loaded
 with ctypes (which lets go of the GIL during a call). Where no compiler works, or with
 ``WEIGHTBUS_DELTA_KERNELS=0``, delta mode uses its torch path: the same records, bit for bit
-(tests/test_delta.py checks both), only slower. GPUs always use the torch path.
+(tests/test_delta.py checks both), only slower. GPUs have their own (:mod:`.delta_gpu`).
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ def usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 
 class Arena:
     """Room for one update's encoded records, kept from update to update: fresh host memory
-    is paged in on first touch, which would cost more than the diff (~0.3 s per GB here)."""
+    is paged in on first touch, which would cost more than the diff (~0.3 s per GB here).
+    On ``device`` where given (the GPU kernels' records)."""
 
-    def __init__(self, chunk: int = 64 << 20) -> None:
-        self._chunk = chunk
+    def __init__(self, chunk: int = 64 << 20, device: torch.device | None = None) -> None:
+        self._chunk, self._device = chunk, device
         self._chunks: list[torch.Tensor] = []
         self._at = 0  # the chunk in use
         self._used = 0  # its bytes taken
@@ -120,7 +121,7 @@ class Arena:
             if free >= nbytes:
                 return self._chunks[self._at][self._used:self._used + nbytes]
             self._at, self._used = self._at + 1, 0
-        self._chunks.append(torch.empty(max(nbytes, self._chunk), dtype=torch.uint8))
+        self._chunks.append(torch.empty(max(nbytes, self._chunk), dtype=torch.uint8, device=self._device))
         return self._chunks[self._at][:nbytes]
 
     def take(self, nbytes: int) -> None:

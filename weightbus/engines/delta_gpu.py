@@ -1,0 +1,187 @@
+"""Delta mode's GPU kernels (Triton): the trainer's diff and the receiver's apply over many
+tensors per launch, where torch's ops cost a dozen launches and a wait per record (an 8b
+model's update took 4.6x the dense one on 2xH200, a 30b MoE's 52x).
+
+Every launch covers many pieces through tables of their addresses (multi-tensor, as fused
+optimizers do): a program takes ``BLOCK`` elements of one piece. The trainer's diff is two
+launches per group of pieces and two waits for the device:
+
+1. *count*: each block counts its changed elements (reading the new values and the
+   snapshot); one wait, for every piece's count, from which the host chooses each record's
+   kind (positions, bitmap or dense values; the choice of :func:`delta.encode`) and lays
+   out the bodies, one after the other, in an arena kept between updates;
+2. *write*: each block compares again and writes its changed elements' positions (at the
+   block's prefix of the piece's count) or its bitmap bytes, their values, its share of the
+   digest, and the new values into the snapshot; one wait, for the digests.
+
+The receiver's apply is two launches per bucket (bitmap records count their set bits per
+block first, so each block knows where its values start) and one wait for the digests and
+statuses. The records are the C kernels' and the torch path's, bit for bit
+(tests/test_delta.py checks them under Triton's interpreter, and on a GPU where there is
+one). Without Triton, or with ``WEIGHTBUS_DELTA_KERNELS=0``, GPUs use the torch path.
+
+Why hand-written: no library of the field diffs or patches many tensors in one launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from weightbus import config
+
+log = logging.getLogger(__name__)
+
+BLOCK = 4096  # elements per program (a multiple of 8: a block's bitmap is whole bytes)
+_FULL, _SPARSE, _BITMAP, _DENSE, _NONE = 0, 1, 2, 3, -1  # as delta.py's kinds
+_lock = threading.Lock()
+_kernels: Any = None
+_tried = False
+
+
+def _load() -> Any:
+    from weightbus.engines import delta_triton  # (Triton imported on first use: slow to import)
+
+    return delta_triton
+
+
+def kernels() -> Any:
+    """The kernels, or None (no Triton, or ``WEIGHTBUS_DELTA_KERNELS=0``)."""
+    global _kernels, _tried
+    if _tried:
+        return _kernels
+    with _lock:
+        if not _tried:
+            if config.flag("WEIGHTBUS_DELTA_KERNELS", True):
+                try:
+                    _kernels = _load()
+                except ImportError as e:
+                    log.warning("weightbus: no Triton (%s): delta mode on a GPU uses the slower torch "
+                                "path", e)
+            _tried = True
+    return _kernels
+
+
+def usable(*tensors: torch.Tensor) -> Any:
+    """The kernels, where every tensor is a contiguous CUDA tensor (else None)."""
+    for t in tensors:
+        if t.device.type != "cuda" or not t.is_contiguous():
+            return None
+    return kernels()
+
+
+def _int(tl: Any, e: int) -> Any:
+    """The integer type a bit pattern of ``e`` bytes is compared and summed as (unsigned
+    for one byte, signed otherwise: as the torch path's views)."""
+    return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[e]
+
+
+def _blocks(sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For items of ``sizes`` elements (a host tensor): the item of every block, the block's
+    first element in its item, and the index of each item's first block (on ``device``)."""
+    per = (sizes + BLOCK - 1) // BLOCK
+    per_d = per.to(device, non_blocking=True)
+    total = int(per.sum())
+    item = torch.repeat_interleave(torch.arange(len(sizes), device=device), per_d, output_size=total)
+    first = torch.cumsum(per_d, 0) - per_d
+    off = (torch.arange(total, device=device) - first[item]) * BLOCK
+    return item, off, first
+
+
+def _prefix(counts: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Each block's count of the blocks before it in its item."""
+    before = torch.cumsum(counts, 0) - counts
+    return before - before[first][item]
+
+
+def _pad(n: torch.Tensor) -> torch.Tensor:
+    return (n + 7) // 8 * 8
+
+
+def diff_many(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], arena: Any
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diff every ``(cur, snap, start)`` (flat tensors of one CUDA device, one element size)
+    and set each ``snap`` to its ``cur``. Returns what ``delta_kernels.diff_many`` does: a
+    host row per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing
+    changed, 1 positions, 2 bitmap, 3 dense: send ``cur`` whole) and the room in ``arena``
+    (on the pieces' device) the bodies lie in, one after the other (taken)."""
+    ks = kernels()
+    dev = pieces[0][0].device
+    e = pieces[0][0].element_size()
+    INT = _int(ks.tl, e)
+    table = torch.tensor([[c.data_ptr(), s.data_ptr(), c.numel(), start] for c, s, start in pieces],
+                         dtype=torch.int64)
+    cur_tab, snap_tab, n_tab, start_tab = table.t().contiguous().to(dev, non_blocking=True)  # (columns)
+    n = table[:, 2]
+    item, off, first = _blocks(n, dev)
+    grid = (len(item),)
+    counts = torch.empty(len(item), dtype=torch.int32, device=dev)
+    scratch = torch.empty(len(item) * (BLOCK // 8), dtype=torch.uint8, device=dev)  # every block's bits
+    align = 16 if bool(((table[:, :2] % 16) == 0).all()) else 1
+    ks.count[grid](cur_tab, snap_tab, n_tab, item, off, counts, scratch, INT=INT, BLOCK=BLOCK, ALIGN=align,
+                   num_warps=8)
+    k_dev = torch.zeros(len(pieces), dtype=torch.int64, device=dev).index_add_(0, item, counts.long())
+    k = k_dev.cpu()  # (the one wait before the layout)
+    # the kind delta.encode chooses: positions while not larger than a bitmap, dense values
+    # where they are no larger than either with the changed values
+    bitmap = _pad((n + 7) // 8)
+    where = torch.minimum(_pad(4 * k), bitmap)
+    kind = torch.where(k == 0, _NONE, torch.where(e * n <= where + e * k, _DENSE,
+                                                  torch.where(_pad(4 * k) <= bitmap, _SPARSE, _BITMAP)))
+    kept = (kind == _SPARSE) | (kind == _BITMAP)
+    nbytes = where + _pad(e * k)
+    body = torch.where(kept, nbytes, 0)
+    offset = torch.cumsum(body, 0) - body
+    used = int(body.sum())
+    out = arena.room(used)
+    out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
+    lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
+    lay = lay.to(dev, non_blocking=True)
+    partial = torch.empty(len(item), dtype=torch.int64, device=dev)
+    ks.write[grid](cur_tab, snap_tab, n_tab, start_tab, lay[0], lay[1], lay[2], item, off,
+                   _prefix(counts.long(), item, first), counts, scratch, partial, INT=INT, BLOCK=BLOCK,
+                   num_warps=8)
+    digest = torch.zeros(len(pieces), dtype=torch.int64, device=dev).index_add_(0, item, partial).cpu()
+    arena.take(used)
+    return torch.stack([kind, k, digest, offset, nbytes], 1), out
+
+
+def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Write every record, a host row ``[kind, dst address, n, e, start, positions or bitmap
+    address, values address, k]`` of ``rows`` (int64, addresses on ``device``, one element
+    size). Returns ``[our digest, status]`` per record, on the host, as
+    ``delta_kernels.apply_many``: status for positions, -1 or the first position out of
+    range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
+    ks = kernels()
+    table = rows.contiguous()
+    sizes = table[:, 3].unique()
+    if len(sizes) > 1:  # (a launch per element size)
+        out = torch.empty(len(table), 2, dtype=torch.int64)
+        for e in sizes.tolist():
+            these = (table[:, 3] == e).nonzero().squeeze(1)
+            out[these] = apply_many(table[these], device)
+        return out
+    kind, n, e, k = table[:, 0], table[:, 2], int(table[0, 3]), table[:, 7]
+    tab = table.to(device, non_blocking=True)
+    item, off, first = _blocks(torch.where(kind == _SPARSE, k, n), device)
+    grid = (len(item),)
+    bits = torch.empty(len(item), dtype=torch.int64, device=device)
+    if bool((kind == _BITMAP).any()):
+        ks.bitcount[grid](tab, item, off, bits, BLOCK=BLOCK, num_warps=4)
+    else:
+        bits.zero_()
+    partial = torch.empty(len(item), dtype=torch.int64, device=device)
+    bad = torch.empty(len(item), dtype=torch.int64, device=device)
+    ks.apply[grid](tab, item, off, _prefix(bits, item, first), partial, bad,
+                      INT=_int(ks.tl, e), BLOCK=BLOCK, num_warps=8)
+    R = len(table)
+    ours = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, partial)
+    got = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, bits)
+    worst = torch.full((R,), 1 << 62, dtype=torch.int64, device=device).scatter_reduce_(0, item, bad, "amin")
+    out = torch.stack([ours, got, worst], 1).cpu()
+    status = torch.where(kind == _SPARSE, torch.where(out[:, 2] >= 1 << 62, -1, out[:, 2]),
+                         torch.where(kind == _BITMAP, out[:, 1].clamp(min=-1), 0))
+    return torch.stack([out[:, 0], status], 1)
