@@ -1,7 +1,7 @@
 """Where a delta update's time goes, in one process (no transport): the trainer's diff and
 encoding of every piece, and a receiver applying the records, on a preset's shapes.
 
-    python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda]
+    python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda] [--rounds 5]
 """
 
 import argparse
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--capacity-mb", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="print where the Python time went")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device(args.device)
     shapes = presets.shapes(args.preset, args.layers)
@@ -34,16 +35,19 @@ def main() -> None:
     snaps = dm.Snapshots()
     cap = args.capacity_mb << 20
 
+    flats = [w.view(-1) for w in weights]  # (a source's pieces, made once: what is timed is ours)
+
     def pieces():
-        for i, w in enumerate(weights):
-            yield i, 0, w.view(-1)
+        for i, flat in enumerate(flats):
+            yield i, 0, flat
 
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
     dm.records(pieces(), manifest, snaps, True, cap)  # the full update: snapshots made
-    for rnd in range(2):
+    times = []
+    for rnd in range(args.rounds):
         for w in weights:
             flat = w.view(-1)
             k = max(1, round(flat.numel() * args.fraction))
@@ -51,7 +55,7 @@ def main() -> None:
             flat.view(torch.int16)[idx] += 1
         sync()
         t0 = time.perf_counter()
-        prof = cProfile.Profile() if rnd and args.profile else None
+        prof = cProfile.Profile() if rnd == args.rounds - 1 and args.profile else None
         if prof:
             prof.enable()
         # (as an update sends them: a kernel call's records stay one Block)
@@ -72,6 +76,11 @@ def main() -> None:
         print(f"round {rnd}: {len(recs)} records or blocks, {off / 2**20:.1f} MiB of "
               f"{sum(w.numel() * 2 for w in weights) / 2**20:.1f}; encode {1e3 * (t1 - t0):.1f} ms, "
               f"pack {1e3 * (t2 - t1):.1f} ms, apply {1e3 * (t3 - t2):.1f} ms; bitwise {ok}")
+        if rnd:  # (round 0 compiles and pages in)
+            times.append((t1 - t0, t3 - t2))
+    if times:
+        enc, app = (sorted(x)[len(x) // 2] for x in zip(*times, strict=True))
+        print(f"median of rounds 1-{args.rounds - 1}: encode {1e3 * enc:.1f} ms, apply {1e3 * app:.1f} ms")
     if args.profile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     # the floor of a dense update's work on this device: one bulk copy of the same bytes

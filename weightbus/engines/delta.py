@@ -222,32 +222,65 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
 _BATCH = 1 << 20  # elements the C kernels diff per call at least (a call per small piece costs more)
 
 
-def _diff_batch(lib: Any, batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                arenas: kernels.Arenas) -> tuple[torch.Tensor, torch.Tensor]:
+class _Batch:
+    """Pieces diffed together (a C-kernel call on a host, a launch on a GPU), kept as
+    columns: tens of thousands of small tensors make a tuple per piece, and a ``numel()``
+    per use, cost more than their diff."""
+
+    __slots__ = ("index", "start", "n", "e", "parts", "snaps", "elements")
+
+    def __init__(self) -> None:
+        self.index: list[int] = []
+        self.start: list[int] = []
+        self.n: list[int] = []
+        self.e: list[int] = []
+        self.parts: list[torch.Tensor] = []
+        self.snaps: list[torch.Tensor] = []
+        self.elements = 0
+
+    def add(self, index: int, start: int, part: torch.Tensor, snap: torch.Tensor, n: int, e: int) -> None:
+        self.index.append(index)
+        self.start.append(start)
+        self.n.append(n)
+        self.e.append(e)
+        self.parts.append(part)
+        self.snaps.append(snap)
+        self.elements += n
+
+    def __len__(self) -> int:
+        return len(self.n)
+
+    def columns(self) -> torch.Tensor:
+        """int64 ``[5, pieces]``: new values' and snapshots' addresses, n, e, start."""
+        return torch.tensor([[p.data_ptr() for p in self.parts], [s.data_ptr() for s in self.snaps],
+                             self.n, self.e, self.start], dtype=torch.int64)
+
+
+def _diff_batch(lib: Any, batch: _Batch, arenas: kernels.Arenas) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernels' diff of many host pieces, in one call, into an arena (on a kernel
     thread: all but the call itself stays on the caller's, which holds the GIL)."""
-    # k <= cap exactly when _pad(4 k) <= _pad(bitmap bytes)
-    pieces = [(part, snap, start, _pad((part.numel() + 7) // 8) // 4) for _, start, part, snap in batch]
+    cols = batch.columns()
+    n, e = cols[2], cols[3]
+    bitmap = ((n + 7) // 8 + 7) // 8 * 8
+    rows = torch.cat([cols, (bitmap // 4)[None]]).t().contiguous()  # cap: k <= cap iff _pad(4 k) <= bitmap
     with arenas.lend() as arena:
-        return kernels.diff_many(lib, pieces, arena)
+        return kernels.diff_many(lib, rows, int((bitmap + n * e).sum()), arena)
 
 
-def _batch_records(batch: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                   done: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Record | Block]:
+def _batch_records(batch: _Batch, done: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Record | Block]:
     """The records of a diffed batch (the kernel chose each one's kind, as ``encode``
     does): positions or bitmaps as one :class:`Block`, the few dense ones as records."""
     results, out = done
     kind, k, digest, nbytes = results[:, 0], results[:, 1], results[:, 2], results[:, 4]
     kept = (kind == SPARSE) | (kind == BITMAP)  # (their bodies lie in out one after the other)
     if bool(kept.any()):
-        at = torch.tensor([(i, start, part.numel()) for i, start, part, _ in batch], dtype=torch.int64)
-        heads = torch.stack([at[:, 0], kind, at[:, 1], at[:, 2], k, digest], 1)[kept]  # as Record.head
+        at = torch.tensor([batch.index, batch.start, batch.n], dtype=torch.int64)
+        heads = torch.stack([at[0], kind, at[1], at[2], k, digest], 1)[kept]  # as Record.head
         sizes = nbytes[kept].tolist()
         yield Block(heads.contiguous(), sizes, out[:sum(sizes)])
     for i in (kind == DENSE).nonzero().squeeze(1).tolist():
-        index, start, part, _ = batch[i]
-        yield Record([index, DENSE, start, part.numel(), int(k[i])], int(digest[i]),
-                     [_padded(part.view(torch.uint8))])
+        yield Record([batch.index[i], DENSE, batch.start[i], batch.n[i], int(k[i])], int(digest[i]),
+                     [_padded(batch.parts[i].view(torch.uint8))])
 
 
 def _padded(b: torch.Tensor) -> torch.Tensor:
@@ -312,93 +345,96 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
              full: bool, capacity: int) -> Iterator[Record | Block]:
     snaps.reset()
-    group: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # diffed together (GPU)
-    size = 0
-    jobs = kernels.Jobs()  # the C kernels' calls (host tensors), on their threads
-    batch: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # host pieces for one call
-    batched = 0
-    sent: deque[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = deque()  # batches in the kernels
-    metas = manifest.metas
+    host = kernels.usable(torch.empty(0)) if not full else None  # the C kernels, for host pieces
+    jobs = kernels.Jobs()  # their calls, on their threads
+    batch = _Batch()  # host pieces for one call
+    sent: deque[_Batch] = deque()  # batches in the kernels
+    groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
+    metas, pieces_held = manifest.metas, snaps.pieces
     for index, start, piece in pieces:
         meta = metas[index]
         cur = piece if piece.dim() == 1 else piece.reshape(-1)
         if cur.dtype != meta.dtype:
             cur = cur.to(meta.dtype)
-        n = cur.numel()
-        most = max(1, (capacity - 2 * _HEADER) // meta.itemsize)  # a dense record fits a bucket
+        if not cur.is_contiguous():  # (a strided 1-d piece: every part below is flat)
+            cur = cur.contiguous()
+        n, e = cur.numel(), meta.itemsize
+        most = max(1, (capacity - 2 * _HEADER) // e)  # a dense record fits a bucket
         for lo in range(0, n, most):
-            part = cur if n <= most else cur[lo:lo + most]
+            part, m = (cur, n) if n <= most else (cur[lo:lo + most], min(most, n - lo))
             key = (index, start + lo)
-            snap = snaps.pieces.get(key)
-            if snap is None or snap.numel() != part.numel():
-                snap = snaps.pieces[key] = torch.empty_like(part)
+            snap = pieces_held.get(key)
+            if snap is None or snap.numel() != m:
+                snap = pieces_held[key] = torch.empty_like(part)
                 got = encode(index, start + lo, part, snap, True)
-            elif not full and _grouped(part):
-                group.append((index, start + lo, part, snap))
-                size += part.numel()
-                if size >= _GROUP:
-                    yield from _encode_group(group, snaps)
-                    group, size = [], 0
-                continue
-            elif not full and (lib := kernels.usable(part)) is not None:  # (snap: made like part)
-                batch.append((index, start + lo, part, snap))
-                batched += part.numel()
-                if batched >= _BATCH:
+            elif full:
+                got = encode(index, start + lo, part, snap, True)
+            elif host is not None and part.is_cpu:
+                batch.add(index, start + lo, part, snap, m, e)
+                if batch.elements >= _BATCH:
                     sent.append(batch)
-                    for done in jobs.submit(_diff_batch, lib, batch, snaps.arenas):
+                    for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
                         yield from _batch_records(sent.popleft(), done)
-                    batch, batched = [], 0
+                    batch = _Batch()
+                continue
+            elif _grouped(part):
+                where = (part.device, e)
+                group = groups.get(where)
+                if group is None:
+                    group = groups[where] = _Batch()
+                group.add(index, start + lo, part, snap, m, e)
+                if group.elements >= _GROUP:
+                    yield from _encode_group(group, snaps)
+                    del groups[where]
                 continue
             else:
-                got = encode(index, start + lo, part, snap, full)
+                got = encode(index, start + lo, part, snap, False)
             if got is not None:
                 yield got
-    if batch:
+    if len(batch):
         sent.append(batch)
-        for done in jobs.submit(_diff_batch, kernels.library(), batch, snaps.arenas):
+        for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
             yield from _batch_records(sent.popleft(), done)
     for done in jobs.drain():
         yield from _batch_records(sent.popleft(), done)
-    yield from _encode_group(group, snaps)
+    for group in groups.values():
+        yield from _encode_group(group, snaps)
 
 
 def _grouped(t: torch.Tensor) -> bool:
     """Whether a piece is diffed with others of its device at once (a GPU's)."""
-    return t.device.type == "cuda"
+    return t.is_cuda
 
 
-def _encode_group(group: list[tuple[int, int, torch.Tensor, torch.Tensor]], snaps: Snapshots
-                  ) -> Iterator[Record | Block]:
-    """Diff many device pieces with two waits for the device in all (a wait per piece costs
-    more than its compare on a GPU): by the GPU kernels, a launch per device and element
-    size for the counts and one for the records; else by torch ops, their masks side by
-    side, one ``nonzero``, one count per piece."""
-    if not group:
+def _encode_group(group: _Batch, snaps: Snapshots) -> Iterator[Record | Block]:
+    """Diff many pieces of one device and element size with one wait for the device (a wait
+    per piece costs more than its compare on a GPU): by the GPU kernels, two launches; else
+    by torch ops, their masks side by side, one ``nonzero``, one count per piece (two
+    waits)."""
+    if not len(group):
         return
-    if gpu.usable(*(p for _, _, p, _ in group)) is not None:
-        alike: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
-        for g in group:
-            alike.setdefault((g[2].device, g[2].element_size()), []).append(g)
-        for (device, _), batch in alike.items():
-            done = gpu.diff_many([(part, snap, start) for _, start, part, snap in batch],
-                                 snaps.device_arena(device))
-            yield from _batch_records(batch, done)
+    if gpu.usable(group.parts[0]) is not None:  # (parts of a group: flat, of one device)
+        cols = group.columns()
+        done = gpu.diff_many(cols[[0, 1, 2, 4]], group.e[0], group.parts[0].device,
+                             snaps.device_arena(group.parts[0].device))
+        yield from _batch_records(group, done)
         return
-    total = sum(p.numel() for _, _, p, _ in group)
-    mask = torch.empty(total, dtype=torch.bool, device=group[0][2].device)
+    total = group.elements
+    mask = torch.empty(total, dtype=torch.bool, device=group.parts[0].device)
     starts, off = [], 0
-    for _, _, part, snap in group:
-        torch.ne(_bits(part), _bits(snap), out=mask[off:off + part.numel()])
+    for part, snap, n in zip(group.parts, group.snaps, group.n, strict=True):
+        torch.ne(_bits(part), _bits(snap), out=mask[off:off + n])
         starts.append(off)
-        off += part.numel()
+        off += n
     pos = mask.nonzero().squeeze(1)
     del mask
     bounds = torch.tensor(starts[1:], dtype=torch.int64, device=pos.device)
     counts = torch.bincount(torch.bucketize(pos, bounds, right=True), minlength=len(group)).tolist()
     at = 0
-    for (index, start, part, snap), first, k in zip(group, starts, counts, strict=True):
+    for i, (first, k) in enumerate(zip(starts, counts, strict=True)):
         if k:
-            got = encode(index, start, part, snap, False, idx=pos[at:at + k] - first)
+            got = encode(group.index[i], group.start[i], group.parts[i], group.snaps[i], False,
+                         idx=pos[at:at + k] - first)
             if got is not None:
                 yield got
         at += k

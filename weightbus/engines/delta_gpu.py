@@ -4,15 +4,18 @@ model's update took 4.6x the dense one on 2xH200, a 30b MoE's 52x).
 
 Every launch covers many pieces through tables of their addresses (multi-tensor, as fused
 optimizers do): a program takes ``BLOCK`` elements of one piece. The trainer's diff is two
-launches per group of pieces and two waits for the device:
+launches per group of pieces and one wait for the device:
 
-1. *count*: each block counts its changed elements (reading the new values and the
-   snapshot); one wait, for every piece's count, from which the host chooses each record's
-   kind (positions, bitmap or dense values; the choice of :func:`delta.encode`) and lays
-   out the bodies, one after the other, in an arena kept between updates;
-2. *write*: each block compares again and writes its changed elements' positions (at the
-   block's prefix of the piece's count) or its bitmap bytes, their values, its share of the
-   digest, and the new values into the snapshot; one wait, for the digests.
+1. *diff*: each block reads the new values and the snapshot once (16 bytes at a time),
+   keeps its changed elements' bits (a bitmap) and count, sums its share of the digest and
+   writes the new values into the snapshot; one wait, for every piece's count and digest,
+   from which the host chooses each record's kind (positions, bitmap or dense values; the
+   choice of :func:`delta.encode`) and lays the bodies out, one after the other, in an
+   arena kept between updates;
+2. *write*: each block of a positions or bitmap record reads its bits and the rows of new
+   values with a change, and writes the positions (at the block's prefix of the piece's
+   count) or the bitmap bytes, and the values; nothing waits for it (the bucket's copy
+   comes after it on the stream).
 
 The receiver's apply is two launches per bucket (bitmap records count their set bits per
 block first, so each block knows where its values start) and one wait for the digests and
@@ -25,6 +28,7 @@ Why hand-written: no library of the field diffs or patches many tensors in one l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -36,6 +40,7 @@ from weightbus import config
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program (a multiple of 8: a block's bitmap is whole bytes)
+WARPS = [8, 4]  # warps per program of the diff and the write (the fastest on an H100)
 _FULL, _SPARSE, _BITMAP, _DENSE, _NONE = 0, 1, 2, 3, -1  # as delta.py's kinds
 _lock = threading.Lock()
 _kernels: Any = None
@@ -101,30 +106,45 @@ def _pad(n: torch.Tensor) -> torch.Tensor:
     return (n + 7) // 8 * 8
 
 
-def diff_many(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], arena: Any
+def _on(device: torch.device) -> Any:
+    """Launches on ``device`` (Triton launches on the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def diff_many(table: torch.Tensor, e: int, device: torch.device, arena: Any
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Diff every ``(cur, snap, start)`` (flat tensors of one CUDA device, one element size)
-    and set each ``snap`` to its ``cur``. Returns what ``delta_kernels.diff_many`` does: a
-    host row per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing
-    changed, 1 positions, 2 bitmap, 3 dense: send ``cur`` whole) and the room in ``arena``
-    (on the pieces' device) the bodies lie in, one after the other (taken)."""
+    """Diff every piece, a column ``[new values' address, snapshot's address, n, start]`` of
+    ``table`` (host int64; flat tensors of ``e``-byte elements on ``device``), and set each
+    snapshot to its new values. Returns what ``delta_kernels.diff_many`` does: a host row
+    per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing changed, 1
+    positions, 2 bitmap, 3 dense: send the values whole) and the room in ``arena`` (on
+    ``device``) the bodies lie in, one after the other (taken)."""
+    with _on(device):
+        return _diff_many(table, e, device, arena)
+
+
+def _diff_many(table: torch.Tensor, e: int, dev: torch.device, arena: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     ks = kernels()
-    dev = pieces[0][0].device
-    e = pieces[0][0].element_size()
     INT = _int(ks.tl, e)
-    table = torch.tensor([[c.data_ptr(), s.data_ptr(), c.numel(), start] for c, s, start in pieces],
-                         dtype=torch.int64)
-    cur_tab, snap_tab, n_tab, start_tab = table.t().contiguous().to(dev, non_blocking=True)  # (columns)
-    n = table[:, 2]
+    cur_tab, snap_tab, n_tab, start_tab = table.contiguous().to(dev, non_blocking=True)
+    n = table[2]
     item, off, first = _blocks(n, dev)
     grid = (len(item),)
     counts = torch.empty(len(item), dtype=torch.int32, device=dev)
     scratch = torch.empty(len(item) * (BLOCK // 8), dtype=torch.uint8, device=dev)  # every block's bits
-    align = 16 if bool(((table[:, :2] % 16) == 0).all()) else 1
-    ks.count[grid](cur_tab, snap_tab, n_tab, item, off, counts, scratch, INT=INT, BLOCK=BLOCK, ALIGN=align,
-                   num_warps=8)
-    k_dev = torch.zeros(len(pieces), dtype=torch.int64, device=dev).index_add_(0, item, counts.long())
-    k = k_dev.cpu()  # (the one wait before the layout)
+    partial = torch.empty(len(item), dtype=torch.int64, device=dev)
+    align = 16 if bool(((table[:2] % 16) == 0).all()) else 1
+    ks.diff[grid](cur_tab, snap_tab, n_tab, start_tab, item, off, counts, scratch, partial, INT=INT,
+                  BLOCK=BLOCK, ALIGN=align, NARROW=e <= 2, num_warps=WARPS[0])
+    # each piece's sums as differences of running sums (an index_add_ over 100,000s of blocks
+    # into a few pieces contends on its atomics); int64 wraps as the digest does
+    last = torch.cat([first[1:], torch.full_like(first[:1], len(item))]) - 1  # (no wait: on the device)
+    before = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # (each block's: of those before it)
+    digests = torch.cumsum(partial, 0)  # (1-D scans: a scan of 2 rows runs far slower)
+    k, digest = torch.stack([before[last] + counts[last] - before[first],
+                             digests[last] - digests[first] + partial[first]]).cpu()
+    # (the one wait: the records' writing below runs while the caller goes on)
     # the kind delta.encode chooses: positions while not larger than a bitmap, dense values
     # where they are no larger than either with the changed values
     bitmap = _pad((n + 7) // 8)
@@ -137,14 +157,12 @@ def diff_many(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], arena: Any
     offset = torch.cumsum(body, 0) - body
     used = int(body.sum())
     out = arena.room(used)
-    out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
-    lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
-    lay = lay.to(dev, non_blocking=True)
-    partial = torch.empty(len(item), dtype=torch.int64, device=dev)
-    ks.write[grid](cur_tab, snap_tab, n_tab, start_tab, lay[0], lay[1], lay[2], item, off,
-                   _prefix(counts.long(), item, first), counts, scratch, partial, INT=INT, BLOCK=BLOCK,
-                   num_warps=8)
-    digest = torch.zeros(len(pieces), dtype=torch.int64, device=dev).index_add_(0, item, partial).cpu()
+    if used:
+        out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
+        lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
+        lay = lay.to(dev, non_blocking=True)
+        ks.write[grid](cur_tab, n_tab, lay[0], lay[1], lay[2], item, off, before - before[first][item],
+                       counts, scratch, INT=INT, BLOCK=BLOCK, ALIGN=align, num_warps=WARPS[1])
     arena.take(used)
     return torch.stack([kind, k, digest, offset, nbytes], 1), out
 
@@ -155,6 +173,11 @@ def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     size). Returns ``[our digest, status]`` per record, on the host, as
     ``delta_kernels.apply_many``: status for positions, -1 or the first position out of
     range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
+    with _on(device):
+        return _apply_many(rows, device)
+
+
+def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     ks = kernels()
     table = rows.contiguous()
     sizes = table[:, 3].unique()
@@ -162,7 +185,7 @@ def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         out = torch.empty(len(table), 2, dtype=torch.int64)
         for e in sizes.tolist():
             these = (table[:, 3] == e).nonzero().squeeze(1)
-            out[these] = apply_many(table[these], device)
+            out[these] = _apply_many(table[these], device)
         return out
     kind, n, e, k = table[:, 0], table[:, 2], int(table[0, 3]), table[:, 7]
     tab = table.to(device, non_blocking=True)

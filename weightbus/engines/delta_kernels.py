@@ -207,26 +207,21 @@ class Jobs:
             yield self._pending.popleft().result()
 
 
-def room(n: int, e: int) -> int:
-    """Bytes the diff of ``n`` elements of ``e`` bytes may need for its body at most."""
-    return ((n + 7) // 8 + 7) // 8 * 8 + n * e
-
-
-def diff_many(lib: ctypes.CDLL, pieces: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-              arena: Arena) -> tuple[torch.Tensor, torch.Tensor]:
-    """Diff every ``(cur, snap, start, cap)`` (flat host tensors, the same dtype) and set each
-    ``snap`` to its ``cur``, in one call. Returns a row per piece, ``[kind, changed count,
+def diff_many(lib: ctypes.CDLL, rows: torch.Tensor, need: int, arena: Arena
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diff every piece, a row ``[new values' address, snapshot's address, n, e, start, cap]``
+    of ``rows`` (int64; flat host tensors; ``cap``: the most changes sent as positions), and
+    set each snapshot to its new values, in one call; ``need``: bytes the bodies may take at
+    most (the sum of ``pad8((n + 7) / 8) + n e``). Returns a row per piece, ``[kind, changed count,
     digest, offset, bytes]`` (kind: -1 nothing changed, 1 positions, 2 bitmap, 3 dense:
-    send ``cur`` whole), an int64 tensor, and the room in ``arena`` the bodies lie in, one
-    after the other (taken)."""
-    rows = torch.tensor([[c.data_ptr(), s.data_ptr(), c.numel(), c.element_size(), start, cap]
-                         for c, s, start, cap in pieces], dtype=torch.int64)
-    need = sum(room(c.numel(), c.element_size()) for c, _, _, _ in pieces)
+    send the values whole), an int64 tensor, and the room in ``arena`` the bodies lie in,
+    one after the other (taken)."""
+    table = rows.contiguous()
     out = arena.room(need)
-    results = torch.empty(len(pieces), 5, dtype=torch.int64)
-    used = lib.wb_diff_many(len(pieces), rows.data_ptr(), out.data_ptr(), need, results.data_ptr())
+    results = torch.empty(len(table), 5, dtype=torch.int64)
+    used = lib.wb_diff_many(len(table), table.data_ptr(), out.data_ptr(), need, results.data_ptr())
     if used < 0:
-        raise MemoryError(f"delta mode's diff of {len(pieces)} pieces: out of host memory")
+        raise MemoryError(f"delta mode's diff of {len(table)} pieces: out of host memory")
     arena.take(used)
     return results, out
 

@@ -6,58 +6,90 @@ import triton.language as tl
 
 
 @triton.jit
-def count(cur_tab, snap_tab, n_tab, blk_piece, blk_off, counts, scratch, INT: tl.constexpr,
-          BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """A block's changed elements: their count, and their bits (a bitmap, for ``write``).
-    Blocks are [BLOCK / 8, 8]: a row is a bitmap byte, no reshapes."""
+def _diff_block(cur, snap, r, rows, lane, left, b, base, counts, scratch, partial, WHOLE: tl.constexpr,
+                NARROW: tl.constexpr, BLOCK: tl.constexpr):
+    """``diff`` of one block, ``WHOLE`` or the last of its piece (``left`` elements): a
+    whole block's accesses are unmasked or masked by rows, so they stay wide."""
+    if WHOLE:
+        x = tl.load(cur + r)
+        y = tl.load(snap + r)
+    else:
+        x = tl.load(cur + r, mask=r < left, other=0)
+        y = tl.load(snap + r, mask=r < left, other=0)
+    changed = x != y
+    ones = changed.to(tl.int32)
+    if WHOLE:  # a row with a change written whole (the rest of it is unchanged): one wide store
+        tl.store(snap + r, x, mask=tl.broadcast_to(tl.max(ones, axis=1)[:, None] != 0, (BLOCK // 8, 8)))
+    else:
+        tl.store(snap + r, x, mask=changed)
+    tl.store(scratch + b * (BLOCK // 8) + rows, tl.sum(ones << lane[None, :], axis=1).to(tl.uint8))
+    tl.store(counts + b, tl.sum(tl.sum(ones, axis=1), axis=0))
+    # sum of w(base + r) * d, w(i) = i * 2654435761 + 1, d = new - old (0 where unchanged):
+    # 2654435761 * (base * sum(d) + sum(r * d)) + sum(d); with elements of <= 2 bytes, d and
+    # r * d fit 32 bits (|d| < 2^16, r < 2^12), so only the block's sums are 64-bit
+    if NARROW:
+        d = x.to(tl.int32) - y.to(tl.int32)
+        sd = tl.sum(tl.sum(d, axis=1), axis=0).to(tl.int64)
+        srd = tl.sum(tl.sum((r * d).to(tl.int64), axis=1), axis=0)
+        tl.store(partial + b, (base * sd + srd) * 2654435761 + sd)
+    else:
+        w = (base + r) * 2654435761 + 1
+        terms = tl.where(changed, w * (x.to(tl.int64) - y.to(tl.int64)), 0)
+        tl.store(partial + b, tl.sum(tl.sum(terms, axis=1), axis=0))
+
+
+@triton.jit
+def diff(cur_tab, snap_tab, n_tab, start_tab, blk_piece, blk_off, counts, scratch, partial, INT: tl.constexpr,
+         BLOCK: tl.constexpr, ALIGN: tl.constexpr, NARROW: tl.constexpr):
+    """A block's changed elements: their count, their bits (a bitmap, for ``write``), its
+    share of the digest; the new values into the snapshot. Blocks are [BLOCK / 8, 8] (a row
+    is a bitmap byte: no reshapes)."""
     b = tl.program_id(0)
     p = tl.load(blk_piece + b)
     off = tl.multiple_of(tl.load(blk_off + b), BLOCK)
     left = tl.load(n_tab + p) - off
     cur = tl.load(cur_tab + p).to(tl.pointer_type(INT))
     snap = tl.load(snap_tab + p).to(tl.pointer_type(INT))
-    if ALIGN > 1:  # (every piece 16-byte aligned: loads of 16 bytes)
+    if ALIGN > 1:  # (every piece 16-byte aligned: 16-byte accesses)
         cur = tl.multiple_of(cur, ALIGN)
         snap = tl.multiple_of(snap, ALIGN)
     rows = tl.arange(0, BLOCK // 8)
     lane = tl.arange(0, 8)
     r = rows[:, None] * 8 + lane[None, :]
-    if left >= BLOCK:  # (a whole block: no mask, so loads stay wide)
-        changed = (tl.load(cur + off + r) != tl.load(snap + off + r)).to(tl.int32)
+    base = tl.load(start_tab + p) + off
+    if left >= BLOCK:
+        _diff_block(cur + off, snap + off, r, rows, lane, left, b, base, counts, scratch, partial,
+                    True, NARROW, BLOCK)
     else:
-        inside = r < left
-        changed = (tl.load(cur + off + r, mask=inside, other=0)
-                   != tl.load(snap + off + r, mask=inside, other=0)).to(tl.int32)
-    tl.store(scratch + b * (BLOCK // 8) + rows, tl.sum(changed << lane[None, :], axis=1).to(tl.uint8))
-    tl.store(counts + b, tl.sum(tl.sum(changed, axis=1), axis=0))
+        _diff_block(cur + off, snap + off, r, rows, lane, left, b, base, counts, scratch, partial,
+                    False, NARROW, BLOCK)
 
 
 @triton.jit
-def write(cur_tab, snap_tab, n_tab, start_tab, kind_tab, where_tab, vals_tab, blk_piece, blk_off,
-          blk_base, counts, scratch, partial, INT: tl.constexpr, BLOCK: tl.constexpr):
-    """A block's changed elements (from ``count``'s bits: only their bytes are read): their
-    positions or bitmap bytes and values into the record's body, its share of the digest,
-    and the new values into the snapshot."""
+def write(cur_tab, n_tab, kind_tab, where_tab, vals_tab, blk_piece, blk_off, blk_base, counts, scratch,
+          INT: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """A block's changed elements (from ``diff``'s bits: only their rows are read) into its
+    record's body, where it is positions or a bitmap with values (dense: sent from cur)."""
     b = tl.program_id(0)
     if tl.load(counts + b) > 0:
         p = tl.load(blk_piece + b)
-        off = tl.load(blk_off + b)
-        n = tl.load(n_tab + p)
         kind = tl.load(kind_tab + p)
-        rows = tl.arange(0, BLOCK // 8)
-        lane = tl.arange(0, 8)
-        r = rows[:, None] * 8 + lane[None, :]
-        byte = tl.load(scratch + b * (BLOCK // 8) + rows)
-        on = ((byte.to(tl.int32)[:, None] >> lane[None, :]) & 1) != 0
-        cur = tl.load(cur_tab + p).to(tl.pointer_type(INT)) + off
-        snap = tl.load(snap_tab + p).to(tl.pointer_type(INT)) + off
-        x = tl.load(cur + r, mask=on, other=0)
-        y = tl.load(snap + r, mask=on, other=0)
-        w = (tl.load(start_tab + p) + off + r) * 2654435761 + 1
-        terms = tl.where(on, w * (x.to(tl.int64) - y.to(tl.int64)), 0)
-        tl.store(partial + b, tl.sum(tl.sum(terms, axis=1), axis=0))
-        tl.store(snap + r, x, mask=on)
-        if (kind == 1) | (kind == 2):  # positions or bitmap, then values (dense: sent from cur)
+        if (kind == 1) | (kind == 2):
+            off = tl.multiple_of(tl.load(blk_off + b), BLOCK)
+            n = tl.load(n_tab + p)
+            rows = tl.arange(0, BLOCK // 8)
+            lane = tl.arange(0, 8)
+            r = rows[:, None] * 8 + lane[None, :]
+            byte = tl.load(scratch + b * (BLOCK // 8) + rows)
+            on = ((byte.to(tl.int32)[:, None] >> lane[None, :]) & 1) != 0
+            cur = tl.load(cur_tab + p).to(tl.pointer_type(INT))
+            if ALIGN > 1:
+                cur = tl.multiple_of(cur, ALIGN)
+            if off + BLOCK <= n:  # (rows with a change read whole: wide loads)
+                row = tl.broadcast_to((byte != 0)[:, None], (BLOCK // 8, 8))
+                x = tl.load(cur + off + r, mask=row, other=0)
+            else:
+                x = tl.load(cur + off + r, mask=on, other=0)
             ones = on.to(tl.int32)
             per_row = tl.sum(ones, axis=1)
             rank = tl.load(blk_base + b) + ((tl.cumsum(per_row, axis=0) - per_row)[:, None]
@@ -69,8 +101,6 @@ def write(cur_tab, snap_tab, n_tab, start_tab, kind_tab, where_tab, vals_tab, bl
             else:
                 tl.store(tl.load(where_tab + p).to(tl.pointer_type(tl.uint8)) + off // 8 + rows, byte,
                          mask=off // 8 + rows < (n + 7) // 8)
-    else:
-        tl.store(partial + b, 0)
 
 
 @triton.jit
