@@ -75,7 +75,7 @@ def test_grouped_diff_finds_the_same_changes():
     group = dm._Batch()
     for i, (w, s) in enumerate(zip(weights, snaps, strict=True)):
         group.add(i, 0, w.view(-1), s.clone(), w.numel(), w.element_size())
-    grouped = list(dm._encode_group(group, dm.Snapshots()))
+    grouped = list(dm._encode_group(group))
     single = [dm.encode(i, 0, w.view(-1), s.clone(), False) for i, (w, s) in enumerate(zip(weights, snaps,
                                                                                           strict=True))]
     single = [r for r in single if r is not None]
@@ -168,10 +168,12 @@ def test_kernels_make_the_records_torch_makes(dtype, capacity):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("capacity", [1 << 20, 1000])
-def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, monkeypatch):
+@pytest.mark.parametrize("capacity, group", [(1 << 20, None), (1000, None), (1 << 20, 5000)])
+def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, group, monkeypatch):
     """The Triton kernels' records (kinds, digests, bodies with their padding) and snapshots
-    are the torch path's, bit for bit."""
+    are the torch path's, bit for bit (also with many groups in flight at once)."""
+    if group is not None:
+        monkeypatch.setattr(dm, "_GROUP", group)
     shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33))]
     g = torch.Generator().manual_seed(4)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]

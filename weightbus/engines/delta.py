@@ -350,6 +350,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     batch = _Batch()  # host pieces for one call
     sent: deque[_Batch] = deque()  # batches in the kernels
     groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
+    in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()  # groups whose GPU diff runs
     metas, pieces_held = manifest.metas, snaps.pieces
     for index, start, piece in pieces:
         meta = metas[index]
@@ -384,7 +385,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
                     group = groups[where] = _Batch()
                 group.add(index, start + lo, part, snap, m, e)
                 if group.elements >= _GROUP:
-                    yield from _encode_group(group, snaps)
+                    yield from _flush(group, snaps, in_flight)
                     del groups[where]
                 continue
             else:
@@ -398,7 +399,10 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     for done in jobs.drain():
         yield from _batch_records(sent.popleft(), done)
     for group in groups.values():
-        yield from _encode_group(group, snaps)
+        yield from _flush(group, snaps, in_flight)
+    while in_flight:
+        group, diffing = in_flight.popleft()
+        yield from _batch_records(group, diffing.finish())
 
 
 def _grouped(t: torch.Tensor) -> bool:
@@ -406,18 +410,29 @@ def _grouped(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _encode_group(group: _Batch, snaps: Snapshots) -> Iterator[Record | Block]:
-    """Diff many pieces of one device and element size with one wait for the device (a wait
-    per piece costs more than its compare on a GPU): by the GPU kernels, two launches; else
-    by torch ops, their masks side by side, one ``nonzero``, one count per piece (two
-    waits)."""
+def _flush(group: _Batch, snaps: Snapshots, in_flight: deque[tuple[_Batch, gpu.Diff]]
+           ) -> Iterator[Record | Block]:
+    """A group of device pieces, full: by the GPU kernels, its diff started and the one
+    before it finished (the GPU diffs this group while the host lays that one out); else
+    by torch ops (:func:`_encode_group`)."""
     if not len(group):
         return
-    if gpu.usable(group.parts[0]) is not None:  # (parts of a group: flat, of one device)
-        cols = group.columns()
-        done = gpu.diff_many(cols[[0, 1, 2, 4]], group.e[0], group.parts[0].device,
-                             snaps.device_arena(group.parts[0].device))
-        yield from _batch_records(group, done)
+    if gpu.usable(group.parts[0]) is None:  # (parts of a group: flat, of one device)
+        yield from _encode_group(group)
+        return
+    device = group.parts[0].device
+    in_flight.append((group, gpu.Diff(group.columns()[[0, 1, 2, 4]], group.e[0], device,
+                                      snaps.device_arena(device))))
+    while len(in_flight) > 1:
+        done, diffing = in_flight.popleft()
+        yield from _batch_records(done, diffing.finish())
+
+
+def _encode_group(group: _Batch) -> Iterator[Record]:
+    """Diff many device pieces by torch ops with two waits for the device in all (a wait per
+    piece costs more than its compare on a GPU): their masks side by side, one
+    ``nonzero``, one count per piece."""
+    if not len(group):
         return
     total = group.elements
     mask = torch.empty(total, dtype=torch.bool, device=group.parts[0].device)

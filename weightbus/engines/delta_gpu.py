@@ -4,7 +4,7 @@ model's update took 4.6x the dense one on 2xH200, a 30b MoE's 52x).
 
 Every launch covers many pieces through tables of their addresses (multi-tensor, as fused
 optimizers do): a program takes ``BLOCK`` elements of one piece. The trainer's diff is two
-launches per group of pieces and one wait for the device:
+launches per group of pieces and one wait for the device (:class:`Diff`):
 
 1. *diff*: each block reads the new values and the snapshot once (16 bytes at a time),
    keeps its changed elements' bits (a bitmap) and count, sums its share of the digest and
@@ -15,7 +15,8 @@ launches per group of pieces and one wait for the device:
 2. *write*: each block of a positions or bitmap record reads its bits and the rows of new
    values with a change, and writes the positions (at the block's prefix of the piece's
    count) or the bitmap bytes, and the values; nothing waits for it (the bucket's copy
-   comes after it on the stream).
+   comes after it on the stream). The next group's pass one is launched before this
+   group's layout, so the GPU works while the host lays out.
 
 The receiver's apply is two launches per bucket (bitmap records count their set bits per
 block first, so each block knows where its values start) and one wait for the digests and
@@ -118,53 +119,75 @@ def diff_many(table: torch.Tensor, e: int, device: torch.device, arena: Any
     snapshot to its new values. Returns what ``delta_kernels.diff_many`` does: a host row
     per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing changed, 1
     positions, 2 bitmap, 3 dense: send the values whole) and the room in ``arena`` (on
-    ``device``) the bodies lie in, one after the other (taken)."""
-    with _on(device):
-        return _diff_many(table, e, device, arena)
+    ``device``) the bodies lie in, one after the other (taken). :class:`Diff` in one go."""
+    return Diff(table, e, device, arena).finish()
 
 
-def _diff_many(table: torch.Tensor, e: int, dev: torch.device, arena: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    ks = kernels()
-    INT = _int(ks.tl, e)
-    cur_tab, snap_tab, n_tab, start_tab = table.contiguous().to(dev, non_blocking=True)
-    n = table[2]
-    item, off, first = _blocks(n, dev)
-    grid = (len(item),)
-    counts = torch.empty(len(item), dtype=torch.int32, device=dev)
-    scratch = torch.empty(len(item) * (BLOCK // 8), dtype=torch.uint8, device=dev)  # every block's bits
-    partial = torch.empty(len(item), dtype=torch.int64, device=dev)
-    align = 16 if bool(((table[:2] % 16) == 0).all()) else 1
-    ks.diff[grid](cur_tab, snap_tab, n_tab, start_tab, item, off, counts, scratch, partial, INT=INT,
-                  BLOCK=BLOCK, ALIGN=align, NARROW=e <= 2, num_warps=WARPS[0])
-    # each piece's sums as differences of running sums (an index_add_ over 100,000s of blocks
-    # into a few pieces contends on its atomics); int64 wraps as the digest does
-    last = torch.cat([first[1:], torch.full_like(first[:1], len(item))]) - 1  # (no wait: on the device)
-    before = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # (each block's: of those before it)
-    digests = torch.cumsum(partial, 0)  # (1-D scans: a scan of 2 rows runs far slower)
-    k, digest = torch.stack([before[last] + counts[last] - before[first],
-                             digests[last] - digests[first] + partial[first]]).cpu()
-    # (the one wait: the records' writing below runs while the caller goes on)
-    # the kind delta.encode chooses: positions while not larger than a bitmap, dense values
-    # where they are no larger than either with the changed values
-    bitmap = _pad((n + 7) // 8)
-    where = torch.minimum(_pad(4 * k), bitmap)
-    kind = torch.where(k == 0, _NONE, torch.where(e * n <= where + e * k, _DENSE,
-                                                  torch.where(_pad(4 * k) <= bitmap, _SPARSE, _BITMAP)))
-    kept = (kind == _SPARSE) | (kind == _BITMAP)
-    nbytes = where + _pad(e * k)
-    body = torch.where(kept, nbytes, 0)
-    offset = torch.cumsum(body, 0) - body
-    used = int(body.sum())
-    out = arena.room(used)
-    if used:
-        out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
-        lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
-        lay = lay.to(dev, non_blocking=True)
-        ks.write[grid](cur_tab, n_tab, lay[0], lay[1], lay[2], item, off, before - before[first][item],
-                       counts, scratch, INT=INT, BLOCK=BLOCK, ALIGN=align, num_warps=WARPS[1])
-    arena.take(used)
-    return torch.stack([kind, k, digest, offset, nbytes], 1), out
+class Diff:
+    """A group's diff in flight: pass one launched, every piece's count and digest on their
+    way to the host; :meth:`finish` lays the records out and launches pass two. Start the
+    next group's before finishing this one, and the GPU diffs it while the host lays out."""
+
+    def __init__(self, table: torch.Tensor, e: int, device: torch.device, arena: Any) -> None:
+        ks = kernels()
+        self.e, self.dev, self.arena, self.INT = e, device, arena, _int(ks.tl, e)
+        self.n = table[2]
+        with _on(device):
+            self.cur, snap_tab, self.n_dev, start_tab = table.contiguous().to(device, non_blocking=True)
+            item, off, first = self.item, self.off, self.first = _blocks(self.n, device)
+            self.counts = counts = torch.empty(len(item), dtype=torch.int32, device=device)
+            self.scratch = torch.empty(len(item) * (BLOCK // 8), dtype=torch.uint8, device=device)  # the bits
+            partial = torch.empty(len(item), dtype=torch.int64, device=device)
+            self.align = 16 if bool(((table[:2] % 16) == 0).all()) else 1
+            ks.diff[(len(item),)](self.cur, snap_tab, self.n_dev, start_tab, item, off, counts, self.scratch,
+                                  partial, INT=self.INT, BLOCK=BLOCK, ALIGN=self.align, NARROW=e <= 2,
+                                  num_warps=WARPS[0])
+            # each piece's sums as differences of running sums (an index_add_ over 100,000s
+            # of blocks into a few pieces contends on its atomics); int64 wraps as the digest
+            last = torch.cat([first[1:], torch.full_like(first[:1], len(item))]) - 1
+            self.before = before = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # (blocks before)
+            digests = torch.cumsum(partial, 0)  # (1-D scans: a scan of 2 rows runs far slower)
+            sums = torch.stack([before[last] + counts[last] - before[first],
+                                digests[last] - digests[first] + partial[first]])
+            self.done: Any = None
+            if device.type == "cuda":
+                self.sums = torch.empty(sums.shape, dtype=torch.int64, pin_memory=True)
+                self.sums.copy_(sums, non_blocking=True)
+                self.done = torch.cuda.Event()
+                self.done.record()
+            else:
+                self.sums = sums
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for pass one; lay out and launch pass two. Returns as :func:`diff_many`."""
+        if self.done is not None:
+            self.done.synchronize()  # (the one wait; pass two runs while the caller goes on)
+        k, digest = self.sums
+        n, e = self.n, self.e
+        # the kind delta.encode chooses: positions while not larger than a bitmap, dense
+        # values where they are no larger than either with the changed values
+        bitmap = _pad((n + 7) // 8)
+        where = torch.minimum(_pad(4 * k), bitmap)
+        kind = torch.where(k == 0, _NONE, torch.where(e * n <= where + e * k, _DENSE,
+                                                      torch.where(_pad(4 * k) <= bitmap, _SPARSE, _BITMAP)))
+        kept = (kind == _SPARSE) | (kind == _BITMAP)
+        nbytes = where + _pad(e * k)
+        body = torch.where(kept, nbytes, 0)
+        offset = torch.cumsum(body, 0) - body
+        used = int(body.sum())
+        out = self.arena.room(used)
+        if used:
+            with _on(self.dev):
+                out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
+                lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
+                lay = lay.to(self.dev, non_blocking=True)
+                item, first = self.item, self.first
+                base = self.before - self.before[first][item]  # (each block's: those before it in its piece)
+                kernels().write[(len(item),)](self.cur, self.n_dev, lay[0], lay[1], lay[2], item, self.off,
+                                              base, self.counts, self.scratch, INT=self.INT, BLOCK=BLOCK,
+                                              ALIGN=self.align, num_warps=WARPS[1])
+        self.arena.take(used)
+        return torch.stack([kind, k, digest, offset, nbytes], 1), out
 
 
 def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
