@@ -353,6 +353,14 @@ def test_malformed_buckets_are_refused_either_way(path):
     assert recs[0].head[1] != dm.DENSE
     refused(0, 1, dm.DENSE, "runs past its bucket")  # its values whole: longer than what it carries
     refused(bitmap, 4, int(heads[bitmap, 4]) - 1, "says .* changes but its bitmap has")
+    patches = [i for i, r in enumerate(recs) if r.head[1] != dm.DENSE]
+    for row in (patches[0], patches[-1]):  # a patch that says it carries nothing (first, last)
+        refused(row, 4, 0, "tensor '")
+    bad = slot.clone()  # the last record: positions, none of them (nothing for a GPU to launch)
+    bad[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)[-1, [1, 4]] = \
+        torch.tensor([dm.SPARSE, 0])
+    with pytest.raises(dm._Drift):
+        dm._apply(bad, bad.numel(), targets, manifest, False)
 
 
 @pytest.mark.parametrize("capacity", [1 << 20, 3000, 700])

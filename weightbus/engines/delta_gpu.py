@@ -98,9 +98,10 @@ def _blocks(sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def _prefix(counts: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Each block's count of the blocks before it in its item."""
+    """Each block's count of the blocks before it in its item (an item of no blocks may
+    have its first block past the end: never read, so clamped)."""
     before = torch.cumsum(counts, 0) - counts
-    return before - before[first][item]
+    return before - before[first.clamp(max=len(before) - 1)][item]
 
 
 def _pad(n: torch.Tensor) -> torch.Tensor:
@@ -213,6 +214,8 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     kind, n, e, k = table[:, 0], table[:, 2], int(table[0, 3]), table[:, 7]
     tab = table.to(device, non_blocking=True)
     item, off, first = _blocks(torch.where(kind == _SPARSE, k, n), device)
+    if not len(item):  # (records with nothing to write: a directory may say so)
+        return torch.stack([torch.zeros_like(kind), torch.where(kind == _SPARSE, -1, 0)], 1)
     grid = (len(item),)
     bits = torch.empty(len(item), dtype=torch.int64, device=device)
     if bool((kind == _BITMAP).any()):
@@ -221,8 +224,8 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         bits.zero_()
     partial = torch.empty(len(item), dtype=torch.int64, device=device)
     bad = torch.empty(len(item), dtype=torch.int64, device=device)
-    ks.apply[grid](tab, item, off, _prefix(bits, item, first), partial, bad,
-                      INT=_int(ks.tl, e), BLOCK=BLOCK, num_warps=8)
+    ks.apply[grid](tab, item, off, _prefix(bits, item, first), partial, bad, INT=_int(ks.tl, e),
+                   BLOCK=BLOCK, num_warps=8)
     R = len(table)
     ours = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, partial)
     got = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, bits)
