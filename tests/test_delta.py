@@ -144,6 +144,17 @@ def _body(r):
     return torch.cat([p for p in r.body])
 
 
+def _same_records(got, want):
+    """Two paths' records the same, bit for bit: headers, digests, bodies with their padding
+    (order is free: in a batch the kernels' dense records come after the others). Returns
+    their kinds."""
+    got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
+    assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_body(a), _body(b)), a.head
+    return {r.head[1] for r in got}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("capacity", [1 << 20, 1000])  # (1000: records split mid-word, unaligned)
 def test_kernels_make_the_records_torch_makes(dtype, capacity):
@@ -156,13 +167,7 @@ def test_kernels_make_the_records_torch_makes(dtype, capacity):
     kinds = set()
     for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
         _mutate(weights, fraction, 10 + step)
-        got, want = _records_both(weights, manifest, sk, st, False, capacity)
-        # (in a batch the kernels' dense records come after the others: order is free)
-        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
-        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(_body(a), _body(b)), a.head  # bodies byte for byte (padding too)
-        kinds |= {r.head[1] for r in got}
+        kinds |= _same_records(*_records_both(weights, manifest, sk, st, False, capacity))
         assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)  # snapshots too
     assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
 
@@ -192,11 +197,7 @@ def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, group, monkey
         with monkeypatch.context() as m:
             _as_on_a_gpu(m)
             got = dm.records(_pieces(weights), manifest, sk, False, capacity)
-        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
-        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(_body(a), _body(b)), a.head
-        kinds |= {r.head[1] for r in got}
+        kinds |= _same_records(got, want)
         assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)
     assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
 
@@ -227,10 +228,7 @@ def test_gpu_kernels_on_cuda(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(gpu, "usable", lambda *tensors: None)
             want = dm.records(_pieces(weights), manifest, st, False, 5000)
-        got, want = (sorted(x, key=lambda r: (r.head[0], r.head[2])) for x in (got, want))
-        assert [r.head + [r.digest] for r in got] == [r.head + [r.digest] for r in want]
-        assert all(torch.equal(_body(a), _body(b)) for a, b in zip(got, want, strict=True))
-        kinds |= {r.head[1] for r in got}
+        kinds |= _same_records(got, want)
         _deliver(got, targets, manifest, False)
         assert all(torch.equal(dm._bits(w.view(-1)), dm._bits(t))
                    for w, t in zip(weights, targets, strict=True))

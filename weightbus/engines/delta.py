@@ -261,7 +261,7 @@ def _diff_batch(lib: Any, batch: _Batch, arenas: kernels.Arenas) -> tuple[torch.
     thread: all but the call itself stays on the caller's, which holds the GIL)."""
     cols = batch.columns()
     n, e = cols[2], cols[3]
-    bitmap = ((n + 7) // 8 + 7) // 8 * 8
+    bitmap = _pad((n + 7) // 8)
     rows = torch.cat([cols, (bitmap // 4)[None]]).t().contiguous()  # cap: k <= cap iff _pad(4 k) <= bitmap
     with arenas.lend() as arena:
         return kernels.diff_many(lib, rows, int((bitmap + n * e).sum()), arena)

@@ -97,10 +97,10 @@ def _blocks(sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, to
     return item, off, first
 
 
-def _prefix(counts: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Each block's count of the blocks before it in its item (an item of no blocks may
-    have its first block past the end: never read, so clamped)."""
-    before = torch.cumsum(counts, 0) - counts
+def _prefix(before: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Each block's sum of the blocks before it in its item, from ``before``, its sum of
+    all blocks before it (an item of no blocks may have its first block past the end:
+    never read, so clamped)."""
     return before - before[first.clamp(max=len(before) - 1)][item]
 
 
@@ -183,7 +183,7 @@ class Diff:
                 lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
                 lay = lay.to(self.dev, non_blocking=True)
                 item, first = self.item, self.first
-                base = self.before - self.before[first][item]  # (each block's: those before it in its piece)
+                base = _prefix(self.before, item, first)  # (each block's: those before it in its piece)
                 kernels().write[(len(item),)](self.cur, self.n_dev, lay[0], lay[1], lay[2], item, self.off,
                                               base, self.counts, self.scratch, INT=self.INT, BLOCK=BLOCK,
                                               ALIGN=self.align, num_warps=WARPS[1])
@@ -224,8 +224,8 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         bits.zero_()
     partial = torch.empty(len(item), dtype=torch.int64, device=device)
     bad = torch.empty(len(item), dtype=torch.int64, device=device)
-    ks.apply[grid](tab, item, off, _prefix(bits, item, first), partial, bad, INT=_int(ks.tl, e),
-                   BLOCK=BLOCK, num_warps=8)
+    base = _prefix(torch.cumsum(bits, 0) - bits, item, first)  # (a bitmap block's first value)
+    ks.apply[grid](tab, item, off, base, partial, bad, INT=_int(ks.tl, e), BLOCK=BLOCK, num_warps=8)
     R = len(table)
     ours = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, partial)
     got = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, bits)
