@@ -156,8 +156,13 @@ def _same_records(got, want):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("capacity", [1 << 20, 1000])  # (1000: records split mid-word, unaligned)
-def test_kernels_make_the_records_torch_makes(dtype, capacity):
+@pytest.mark.parametrize("capacity, batch", [(1 << 20, None), (1000, None), (1 << 20, 700)])
+def test_kernels_make_the_records_torch_makes(dtype, capacity, batch, monkeypatch):
+    """The C kernels' records and snapshots are the torch path's, bit for bit (capacity
+    1000: records split mid-word, unaligned; batch 700: many calls in flight on threads)."""
+    if batch is not None:
+        monkeypatch.setattr(dm, "_BATCH", batch)
+        monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "2")
     shapes = [("a", (300, 7)), ("b", (5,)), ("c", (4099,)), ("d", (1,)), ("e", (64, 33))]
     g = torch.Generator().manual_seed(3)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]

@@ -73,26 +73,90 @@ static int to_bitmap(const int32_t *pos, int64_t k, uint8_t *bitmap, int64_t n) 
         k++;                                                                                    \
     } while (0)
 
-/* The diff for E-byte elements: 64 bytes compared at once (vectorized), then only their
- * changed elements visited (one count-trailing-zeros each). */
+/* Which of 64 elements of E bytes differ: bit j for element j. Vectorized where SSE2 is
+ * (the compares of 16 bytes packed down to a bit per element), else left to the compiler. */
+#define CHANGED_SCALAR(E, T)                                                                    \
+    static inline uint64_t changed_##E(const uint8_t *a, const uint8_t *b) {                    \
+        uint64_t m = 0;                                                                         \
+        for (int j = 0; j < 64; j++) {                                                          \
+            T x, y;                                                                             \
+            memcpy(&x, a + j * (E), E);                                                         \
+            memcpy(&y, b + j * (E), E);                                                         \
+            m |= (uint64_t)(x != y) << j;                                                       \
+        }                                                                                       \
+        return m;                                                                               \
+    }
+#if defined(__SSE2__)
+static inline __m128i eq16(const uint8_t *a, const uint8_t *b) {
+    return _mm_cmpeq_epi16(_mm_loadu_si128((const __m128i *)a), _mm_loadu_si128((const __m128i *)b));
+}
+static inline __m128i eq32(const uint8_t *a, const uint8_t *b) {
+    return _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)a), _mm_loadu_si128((const __m128i *)b));
+}
+static inline uint64_t changed_1(const uint8_t *a, const uint8_t *b) { return changed_bytes(a, b); }
+static inline uint64_t changed_2(const uint8_t *a, const uint8_t *b) {
+    uint64_t same = 0;
+    for (int q = 0; q < 4; q++, a += 32, b += 32)
+        same |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_packs_epi16(eq16(a, b), eq16(a + 16, b + 16))) << (16 * q);
+    return ~same;
+}
+static inline uint64_t changed_4(const uint8_t *a, const uint8_t *b) {
+    uint64_t same = 0;
+    for (int q = 0; q < 4; q++, a += 64, b += 64) {
+        __m128i lo = _mm_packs_epi32(eq32(a, b), eq32(a + 16, b + 16));
+        __m128i hi = _mm_packs_epi32(eq32(a + 32, b + 32), eq32(a + 48, b + 48));
+        same |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_packs_epi16(lo, hi)) << (16 * q);
+    }
+    return ~same;
+}
+#else
+CHANGED_SCALAR(1, uint8_t)
+CHANGED_SCALAR(2, uint16_t)
+CHANGED_SCALAR(4, uint32_t)
+#endif
+CHANGED_SCALAR(8, uint64_t)
+
+/* Groups of 64 elements whose changes are listed before any is taken: the loop over them
+ * ends once per chunk, not once per group (at a few % changed, whether a group has a change
+ * is a coin toss, and a mispredicted branch costs more than the group's compare). */
+#define CHUNK 16
+
+/* The diff for E-byte elements: a chunk's groups compared (vectorized), the positions of
+ * their changes listed (four per group written whatever the count, the list advanced by the
+ * count: no branch in the common case), then each change taken. 0.5 GiB of bf16 at 2 %
+ * changed, one core: 68 ms with a loop per 64 bytes over their changes, 33 ms so (a compare
+ * alone: 27 ms). */
 #define DIFF(E)                                                                                 \
     static int64_t diff_##E(const uint8_t *cur, uint8_t *snap, int64_t n, int64_t start,        \
                             int32_t *pos, int64_t cap, uint8_t *bitmap, uint8_t *vals,          \
                             uint64_t *digest) {                                                 \
-        const int64_t nbytes = n * (E), whole = nbytes / 64 * 64;                               \
-        const uint64_t one = (E) == 8 ? 0xffu : ((1u << (E)) - 1);                              \
+        const int64_t whole = n / 64 * 64;                                                      \
+        const uint64_t top = 1ull << 63; /* ctz of an empty mask: a slot past the count */      \
+        int32_t at[CHUNK * 64 + 4];                                                             \
         uint64_t sum = 0;                                                                       \
         int64_t k = 0;                                                                          \
-        for (int64_t blk = 0; blk < whole; blk += 64) {                                         \
-            uint64_t m = changed_bytes(cur + blk, snap + blk);                                  \
-            while (m) {                                                                         \
-                int off = __builtin_ctzll(m) & ~((E) - 1);                                      \
-                m &= ~(one << off);                                                             \
-                int64_t i = (blk + off) / (E);                                                  \
+        for (int64_t c0 = 0; c0 < whole; c0 += CHUNK * 64) {                                    \
+            const int64_t c1 = whole - c0 < CHUNK * 64 ? whole : c0 + CHUNK * 64;               \
+            int t = 0;                                                                          \
+            for (int64_t g = c0; g < c1; g += 64) {                                             \
+                uint64_t m = changed_##E(cur + g * (E), snap + g * (E));                        \
+                const int c = __builtin_popcountll(m), r = (int)(g - c0);                       \
+                for (int q = 0; q < 4; q++) {                                                   \
+                    at[t + q] = r + __builtin_ctzll(m | top);                                   \
+                    m &= m - 1;                                                                 \
+                }                                                                               \
+                for (int q = 4; q < c; q++) { /* (rare at a few %) */                           \
+                    at[t + q] = r + __builtin_ctzll(m);                                         \
+                    m &= m - 1;                                                                 \
+                }                                                                               \
+                t += c;                                                                         \
+            }                                                                                   \
+            for (int q = 0; q < t; q++) {                                                       \
+                const int64_t i = c0 + at[q];                                                   \
                 TAKE(E, i);                                                                     \
             }                                                                                   \
         }                                                                                       \
-        for (int64_t i = whole / (E); i < n; i++)                                               \
+        for (int64_t i = whole; i < n; i++)                                                     \
             if (memcmp(cur + i * (E), snap + i * (E), E)) TAKE(E, i);                          \
         *digest = sum;                                                                          \
         return k;                                                                               \
@@ -162,6 +226,11 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
     return used;
 }
 
+/* Changes ahead whose destination is prefetched: at a few % changed, the next one lies a
+ * few cache lines on, too far apart for the hardware's prefetcher, and the apply waited on
+ * memory (0.5 GiB of bf16 at 2 %: 47 ms without, 22 ms with, one core). */
+#define AHEAD 64
+
 /* The receiver's writes, for E-byte elements (E a constant: each copy one move), into dst:
  * the first of n elements a record covers (start: its position in the tensor, for the
  * digest, which is read against dst before each write). sparse: k values at positions pos,
@@ -174,6 +243,7 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
         uint64_t sum = 0;                                                                       \
         for (int64_t j = 0; j < k; j++) {                                                       \
             int64_t i = pos[j];                                                                 \
+            if (j + AHEAD < k) __builtin_prefetch(dst + (int64_t)pos[j + AHEAD] * (E), 1, 0);   \
             if (i < 0 || i >= n) { *digest = sum; return j; }                                  \
             sum += weight(start + i) * (load(vals + j * (E), E) - load(dst + i * (E), E));      \
             memcpy(dst + i * (E), vals + j * (E), E);                                           \
