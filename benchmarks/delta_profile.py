@@ -2,6 +2,10 @@
 encoding of every piece, and a receiver applying the records, on a preset's shapes.
 
     python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda] [--rounds 5]
+        [--split 4]
+
+``--split N``: the records made in N rounds, as an update in rounds sends them (each round
+packed and applied before the next is made, its arena reused); prints what the arenas hold.
 """
 
 import argparse
@@ -25,6 +29,7 @@ def main() -> None:
     ap.add_argument("--capacity-mb", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="print where the Python time went")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--split", type=int, default=1, help="rounds an update is made in")
     args = ap.parse_args()
     dev = torch.device(args.device)
     shapes = presets.shapes(args.preset, args.layers)
@@ -46,6 +51,10 @@ def main() -> None:
             torch.cuda.synchronize()
 
     dm.records(pieces(), manifest, snaps, True, cap)  # the full update: snapshots made
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)  # weights, receiver copies, snapshots, arena
     times = []
     for rnd in range(args.rounds):
         for w in weights:
@@ -59,21 +68,39 @@ def main() -> None:
         if prof:
             prof.enable()
         # (as an update sends them: a kernel call's records stay one Block)
-        recs = dm._read_digests(list(dm._records(pieces(), manifest, snaps, False, cap)))
-        sync()
-        t1 = time.perf_counter()
-        off = 8 + sum(r.size for r in recs)
-        slot = torch.empty(off, dtype=torch.uint8, device=dev)
-        dm._fill(slot, recs)  # (one bucket holding every record, for the profile)
-        sync()
-        t2 = time.perf_counter()
-        dm._apply(slot, off, dest, manifest, False)
-        sync()
-        t3 = time.perf_counter()
+        total = sum(w.numel() * 2 for w in weights)
+        budget = None if args.split <= 1 else -(-total // args.split)
+        items = dm._records(pieces(), manifest, snaps, False, cap, budget)
+        n_recs = off = 0
+        enc = pack = app = 0.0
+        while True:
+            t_a = time.perf_counter()
+            recs, ended = [], True
+            for it in items:
+                if it is None:  # (a round ends; another follows)
+                    ended = False
+                    break
+                recs.append(it)
+            recs = dm._read_digests(recs)
+            sync()
+            t_b = time.perf_counter()
+            used = 8 + sum(r.size for r in recs)
+            slot = torch.empty(used, dtype=torch.uint8, device=dev)
+            dm._fill(slot, recs)  # (one bucket holding the round's records, for the profile)
+            sync()
+            t_c = time.perf_counter()
+            dm._apply(slot, used, dest, manifest, False)
+            sync()
+            t_d = time.perf_counter()
+            enc, pack, app = enc + t_b - t_a, pack + t_c - t_b, app + t_d - t_c
+            n_recs, off = n_recs + len(recs), off + used
+            if ended:
+                break
+        t0, t1, t2, t3 = 0.0, enc, enc + pack, enc + pack + app
         if prof:
             prof.disable()
         ok = all(torch.equal(a.view(-1), b) for a, b in zip(weights, dest, strict=True))
-        print(f"round {rnd}: {len(recs)} records or blocks, {off / 2**20:.1f} MiB of "
+        print(f"round {rnd}: {n_recs} records or blocks, {off / 2**20:.1f} MiB of "
               f"{sum(w.numel() * 2 for w in weights) / 2**20:.1f}; encode {1e3 * (t1 - t0):.1f} ms, "
               f"pack {1e3 * (t2 - t1):.1f} ms, apply {1e3 * (t3 - t2):.1f} ms; bitwise {ok}")
         if rnd:  # (round 0 compiles and pages in)
@@ -81,6 +108,12 @@ def main() -> None:
     if times:
         enc, app = (sorted(x)[len(x) // 2] for x in zip(*times, strict=True))
         print(f"median of rounds 1-{args.rounds - 1}: encode {1e3 * enc:.1f} ms, apply {1e3 * app:.1f} ms")
+    held = snaps.arenas.nbytes + sum(a.nbytes for a in snaps.device_arenas.values())
+    print(f"arenas: {held / 2**20:.1f} MiB ({args.split} round(s)), snapshots "
+          f"{sum(t.numel() * t.element_size() for t in snaps.pieces.values()) / 2**20:.1f} MiB")
+    if dev.type == "cuda":  # what else a delta update held at its peak (the profile's own slot too)
+        print(f"device memory at the peak, above what was held before: "
+              f"{(torch.cuda.max_memory_allocated(dev) - base) / 2**20:.1f} MiB")
     if args.profile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     # the floor of a dense update's work on this device: one bulk copy of the same bytes

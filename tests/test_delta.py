@@ -313,6 +313,25 @@ def test_no_compiler_means_the_torch_path(tmp_path):
     assert "did not build" in out.stderr and "torch path" in out.stderr
 
 
+def test_arena_keeps_one_chunk_as_record_sizes_vary():
+    """The records' arena, over many updates whose records vary in size: every room of an
+    update is its own (no two overlap), and the chunks do not pile up (they become one
+    where they hold half as much again as an update asked for)."""
+    arena = kernels.Arena(chunk=1000, device=torch.device("cpu"))  # (the GPU path's, on the host)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        arena.reset()
+        spans = []
+        for n in torch.randint(900, 1200, (5,), generator=g).tolist():
+            out = arena.room(n)
+            assert out.numel() == n
+            spans.append((out.data_ptr(), out.data_ptr() + n))
+            arena.take(n)
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert arena.nbytes <= 3 * (5 * 1200 + 1200) // 2 + 5 * 1200  # (and the last update's new chunks)
+
+
 def test_kernel_threads_setting(monkeypatch):
     monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "3")
     assert kernels.threads() == 3

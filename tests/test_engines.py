@@ -177,11 +177,13 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
     changes go as positions or bitmaps + values), at 1e-3 most elements change and the
     records go dense. FSDP2 trainers diff their own shards: no tensor is gathered. A failed
     update, and a corrupted patch (caught by the digest, naming the tensor), are followed
-    by a full update, then deltas again."""
+    by a full update, then deltas again. Every update goes in rounds (the next diffed while
+    one moves)."""
     updates = 10 if lr == 1e-6 and T == 1 and backend == "gloo" else 4
     logs = spawn(workers.delta_updates, T + R, (T, R, port, free_port, lr, updates, backend), timeout=240)
     trainers, rollouts = logs[:T], logs[T:]
     kinds = [e["kind"] for e in trainers[0]]
+    assert all(e["rounds"] > 1 for t in trainers for e in t), trainers[0]  # updates sent in rounds
     for k, kind in enumerate(kinds):
         sent = sum(t[k].get("ok", 0) for t in trainers)  # every trainer rank sends its own share
         dense = trainers[0][k]["dense"]

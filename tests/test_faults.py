@@ -131,6 +131,52 @@ def test_peer_lost_at_every_phase(port, backend, phase, who, how):
         assert _shm_of(p.pid) == []
 
 
+@pytest.mark.parametrize("phase", ["header", "mid-update", "final-status"])
+@pytest.mark.parametrize("who", ["trainer", "rollout"])
+def test_peer_lost_in_a_delta_update(port, who, phase):
+    """Delta mode (gloo, in rounds: a receiver waits between them on the next round's
+    agreement): after one good update the trainer or rollout 2 is SIGKILLed at ``phase`` of
+    a delta update; every survivor raises within the deadline naming the phase, and claims
+    no version it does not hold."""
+    lost = 0 if who == "trainer" else 2
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (port, "gloo", lost, phase, "kill", DEADLINE, out)
+    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args), kwargs={"delta": True})
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    survivors = {r for r in range(3) if r != lost}
+    results = {}
+    t_end = time.monotonic() + 90
+    while len(results) < len(survivors) and time.monotonic() < t_end:
+        try:
+            rank, res = out.get(timeout=1)
+            results[rank] = res
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if not any(procs[r].is_alive() for r in survivors) and out.empty():
+                break
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert set(results) == survivors, results
+    # (right after the header, the ranks agree on the version held; a rollout lost while it
+    # patches is noticed by the other rollout at the final status, the broadcasts having
+    # reached it)
+    words = {"header": re.compile("header|delta: agreeing|bucket \\d+"),
+             "mid-update": re.compile("bucket" if who == "trainer" else "bucket|finish"),
+             "final-status": PHASE_WORDS["final-status"]}[phase]
+    for rank, res in results.items():
+        assert res["first"] == "ok", res
+        err = res["error"]
+        assert err is not None and res["seconds"] < DEADLINE * 2 + 5, res  # in time, never a hang
+        assert words.search(err), (rank, err)
+        assert ("trainer" if rank == 0 else "rollout") + " rank" in err, err
+        if rank:
+            assert res["version"] in (1, None), res
+
+
 def test_rank_that_never_joins_fails_formation_in_time(port):
     """2 of 3 ranks show up: both fail within the deadline naming the formation."""
     ctx = mp.get_context("spawn")

@@ -101,3 +101,73 @@ def test_colocated_cuda_ipc_bitwise(port, expandable):
 @needs_gpu
 def test_colocated_direct_into_rollout_tensors(port):
     _check(port, "colocated", False, direct=True)
+
+
+def _mutate_some(w: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Change ``fraction`` of every tensor's elements by one step of its bit pattern."""
+    g = torch.Generator(device=next(iter(w.values())).device).manual_seed(seed)
+    for t in w.values():
+        flat = t.view(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randint(0, flat.numel(), (k,), device=t.device, generator=g)
+        if t.dtype == torch.bool:
+            flat[idx] = ~flat[idx]
+        else:
+            bits = flat.view({2: torch.int16, 8: torch.int64}[t.element_size()])
+            bits[idx] += 1
+
+
+def delta_gpu_worker(rank: int, backend: str, port: int):
+    """Delta mode with CUDA tensors on both sides (the Triton kernels), sent in rounds that
+    reuse the trainer's device arena: a full update, deltas at 2 %, one at 40 % (dense
+    records), bitwise after each."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["WEIGHTBUS_DELTA_ROUNDS"] = "4"
+    device = torch.device("cuda", rank if backend == "nccl" else 0)
+    torch.cuda.set_device(device)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 20, timeout=120, delta=True,
+                                          role="trainer" if rank == 0 else "rollout",
+                                          **({"device": device} if backend == "nccl" else {}))
+    g = torch.Generator(device=device).manual_seed(0)
+    w = {"big": torch.randn(3_000_001, device=device, generator=g).bfloat16(),  # 6 MB: many buckets
+         "odd": torch.randn(37, 129, device=device, generator=g).bfloat16(),
+         "half": torch.randn(5, 7, device=device, generator=g).half(),
+         "ids": torch.randint(0, 1000, (4099,), device=device, generator=g),
+         "mask": torch.rand(33, device=device, generator=g) > 0.5}
+    target = {n: torch.zeros_like(t) for n, t in w.items()}
+    if rank == 1:
+        engine.set_destinations(target)
+    connect(engine, rdv, 1, 1)
+    out = []
+    for k, fraction in enumerate([None, 0.02, 0.02, 0.4, 0.02]):
+        if fraction is not None:
+            _mutate_some(w, fraction, k)
+        rdv.all_gather(None)
+        if rank == 0:
+            asyncio.run(engine.send_weights(ModuleSource(w), version=k + 1))
+            torch.cuda.synchronize()
+            out.append(({n: digest(t.cpu()) for n, t in w.items()}, engine.last_full))
+        else:
+            asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+            torch.cuda.synchronize()
+            out.append(({n: digest(t.cpu()) for n, t in target.items()}, engine.last_full))
+    engine.finalize(destroy_group=True)
+    return out
+
+
+def _check_delta(port, backend):
+    trainer, rollout = spawn(delta_gpu_worker, 2, (backend, port), timeout=300)
+    assert rollout == trainer
+    assert [full for _, full in trainer] == [True, False, False, False, False]
+    assert len({str(d) for d, _ in trainer}) == len(trainer)  # weights changed between updates
+
+
+@needs_gpu
+def test_delta_gloo_cuda_tensors_bitwise(port):
+    _check_delta(port, "gloo")
+
+
+@needs_2gpu
+def test_delta_nccl_two_gpus_bitwise(port):
+    _check_delta(port, "nccl")

@@ -501,11 +501,21 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     that stops (the update fails: the next goes full), and a corrupted patch (caught,
     naming the tensor; the next goes full). (Late joiners: tests/test_manager.py.)"""
     from torch.distributed.tensor import Replicate
+
+    import weightbus.engines.delta as dm
     torch.set_num_threads(1)
+    os.environ["WEIGHTBUS_DELTA_ROUNDS"] = "4"  # (the default where buckets are on a GPU)
     is_trainer = rank < T
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     engine = CheckpointEngineRegistry.new(backend, role="trainer" if is_trainer else "rollout", delta=True,
                                           bucket_size=1 << 16, timeout=30)
+    rounds = [0]
+    real_plan = dm._plan
+
+    def counting_plan(*a, **k):
+        rounds[0] += 1
+        return real_plan(*a, **k)
+    dm._plan = counting_plan
     connect(engine, rdv, T, R)
     log: list[dict] = []
     if is_trainer:
@@ -550,10 +560,9 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
         if is_trainer:
             step(len(log) + 1)
             want = expected()
-            before = gathers[0]
+            before, rounds[0] = gathers[0], 0
             source = ModuleSource(model, dtype=torch.bfloat16)
             if corrupt and rank == 0:
-                import weightbus.engines.delta as dm
                 orig = dm._buckets
 
                 def bad(recs, capacity):  # every bucket a trainer sends passes here
@@ -573,7 +582,7 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
             if corrupt and rank == 0:
                 dm._buckets = orig
             out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
-                       full=engine.last_full)
+                       full=engine.last_full, rounds=rounds[0])
         else:
             rdv.all_gather(None)
             stop = 1 if kind == "consumer_stops" and rank == T else None

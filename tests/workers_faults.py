@@ -35,14 +35,18 @@ class _DiesAfter:
 
 
 def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: str, deadline: float,
-              out) -> None:
+              out, delta: bool = False) -> None:
     """1 trainer (rank 0), 2 rollouts (ranks 1, 2). After one good update, rank ``lost`` is
-    SIGKILLed or SIGSTOPped at ``phase`` of the next; the survivors report what they saw."""
+    SIGKILLed or SIGSTOPped at ``phase`` of the next; the survivors report what they saw.
+    ``delta``: in delta mode, sent in rounds (a rollout lost mid-update: at its second
+    bucket's patch)."""
     torch.set_num_threads(1)
     T, R = 1, 2
+    if delta:
+        os.environ["WEIGHTBUS_DELTA_ROUNDS"] = "4"
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 16, timeout=deadline,
-                                          role="trainer" if rank == 0 else "rollout")
+                                          role="trainer" if rank == 0 else "rollout", delta=delta)
     model = Mixed()
     doomed = rank == lost
     if doomed and phase == "formation":
@@ -52,7 +56,12 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
     t0 = time.monotonic()
     try:
         connect(engine, rdv, T, R)
-        sink = ModuleSink(trainer_stream(Mixed()))
+        held = trainer_stream(Mixed())
+        if delta:  # (it writes in place: contiguous tensors)
+            held = {n: t.contiguous() for n, t in held.items()}
+        sink = ModuleSink(held)
+        if delta and rank:
+            engine.set_destinations(held)
         if rank == 0:
             asyncio.run(engine.send_weights(ModuleSource(trainer_stream(model))))
         else:
@@ -69,6 +78,17 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
         if rank == 0:
             weights = _DiesAfter(named, 3, how) if doomed and phase == "mid-update" else ModuleSource(named)
             asyncio.run(engine.send_weights(weights))
+        elif doomed and phase == "mid-update" and delta:
+            import weightbus.engines.delta as dm
+            real, calls = dm._apply, [0]
+
+            def apply_then_lose(*a, **k):
+                calls[0] += 1
+                if calls[0] == 2:
+                    _lose(how)
+                return real(*a, **k)
+            dm._apply = apply_then_lose
+            asyncio.run(sink.load(engine.receive_weights()))
         elif doomed and phase == "mid-update":
             async def consume_then_lose():
                 k = 0

@@ -94,6 +94,18 @@ def version(value: Any, what: str = "version") -> int:
     return integer(value, what, minimum=0, maximum=(1 << 63) - 1)
 
 
+def env_integer(name: str, *, minimum: int, maximum: int | None = None) -> int | None:
+    """An integer environment variable within bounds, or None where it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+    return integer(value, name, minimum=minimum, maximum=maximum)
+
+
 def flag(name: str, default: bool = False) -> bool:
     """A boolean environment variable: ``0``/``1`` (also ``false``/``true``, ``no``/``yes``)."""
     raw = os.environ.get(name)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightbus import buffers
+from weightbus import buffers, config
 from weightbus.engines import delta_gpu as gpu
 from weightbus.engines import delta_kernels as kernels
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
@@ -219,10 +219,12 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
     return Record([index, kind, start, n, k], digest, body)
 
 
-# Elements the C kernels diff per call at least: a call costs ~0.1 ms of Python around it
-# (the 0.6b preset's diff, 2 threads: 2^20, 198 calls, 93 ms; 2^23, 65 ms); a call's cast
-# pieces are held until it is done, and 2 per thread are in flight.
-_BATCH = 1 << 23
+# Bytes of pieces the C kernels diff per call at least: a call costs ~0.1 ms of Python
+# around it (the 0.6b preset's diff, 2 threads: 2 MiB, 198 calls, 93 ms; 16 MiB, 65 ms). A
+# piece is cut there too, so a call asks its arena for at most ~2x this (room for every
+# element changed) and arena chunks stay of one size; a call's cast pieces are held until it
+# is done, and 2 per thread are in flight.
+_BATCH = 16 << 20
 
 
 class _Batch:
@@ -230,7 +232,7 @@ class _Batch:
     columns: tens of thousands of small tensors make a tuple per piece, and a ``numel()``
     per use, cost more than their diff."""
 
-    __slots__ = ("index", "start", "n", "e", "parts", "snaps", "elements")
+    __slots__ = ("index", "start", "n", "e", "parts", "snaps", "elements", "nbytes")
 
     def __init__(self) -> None:
         self.index: list[int] = []
@@ -240,6 +242,7 @@ class _Batch:
         self.parts: list[torch.Tensor] = []
         self.snaps: list[torch.Tensor] = []
         self.elements = 0
+        self.nbytes = 0
 
     def add(self, index: int, start: int, part: torch.Tensor, snap: torch.Tensor, n: int, e: int) -> None:
         self.index.append(index)
@@ -249,6 +252,7 @@ class _Batch:
         self.parts.append(part)
         self.snaps.append(snap)
         self.elements += n
+        self.nbytes += n * e
 
     def __len__(self) -> int:
         return len(self.n)
@@ -346,7 +350,10 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
 
 
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
-             full: bool, capacity: int) -> Iterator[Record | Block]:
+             full: bool, capacity: int, budget: int | None = None) -> Iterator[Record | Block | None]:
+    """The records of every piece, in order. With ``budget``, in rounds of pieces of about
+    that many bytes: every record of a round is made, then None is yielded; the caller
+    sends the round's records before it asks for more (their arenas are reused)."""
     snaps.reset()
     host = kernels.usable(torch.empty(0)) if not full else None  # the C kernels, for host pieces
     jobs = kernels.Jobs()  # their calls, on their threads
@@ -355,7 +362,13 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
     in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()  # groups whose GPU diff runs
     metas, pieces_held = manifest.metas, snaps.pieces
+    taken = 0  # bytes of this round's pieces
     for index, start, piece in pieces:
+        if budget is not None and taken >= budget:  # (and a piece follows: a round ends)
+            yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
+            batch, taken = _Batch(), 0
+            yield None
+            snaps.reset()
         meta = metas[index]
         cur = piece if piece.dim() == 1 else piece.reshape(-1)
         if cur.dtype != meta.dtype:
@@ -363,7 +376,10 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
         if not cur.is_contiguous():  # (a strided 1-d piece: every part below is flat)
             cur = cur.contiguous()
         n, e = cur.numel(), meta.itemsize
+        taken += n * e
         most = max(1, (capacity - 2 * _HEADER) // e)  # a dense record fits a bucket
+        if cur.is_cpu:  # and a host call's room for the worst case (all changed) stays small
+            most = min(most, max(1, _BATCH // e))
         for lo in range(0, n, most):
             part, m = (cur, n) if n <= most else (cur[lo:lo + most], min(most, n - lo))
             key = (index, start + lo)
@@ -375,7 +391,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
                 got = encode(index, start + lo, part, snap, True)
             elif host is not None and part.is_cpu:
                 batch.add(index, start + lo, part, snap, m, e)
-                if batch.elements >= _BATCH:
+                if batch.nbytes >= _BATCH:
                     sent.append(batch)
                     for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
                         yield from _batch_records(sent.popleft(), done)
@@ -395,6 +411,14 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
                 got = encode(index, start + lo, part, snap, False)
             if got is not None:
                 yield got
+    yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
+
+
+def _drain(host: Any, jobs: kernels.Jobs, batch: _Batch, sent: deque[_Batch],
+           groups: dict[tuple[torch.device, int], _Batch], snaps: Snapshots,
+           in_flight: deque[tuple[_Batch, gpu.Diff]]) -> Iterator[Record | Block]:
+    """The records of every piece taken so far: the last host batch, the kernel calls in
+    flight, the GPU groups (those not yet full, then those diffing)."""
     if len(batch):
         sent.append(batch)
         for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
@@ -403,6 +427,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
         yield from _batch_records(sent.popleft(), done)
     for group in groups.values():
         yield from _flush(group, snaps, in_flight)
+    groups.clear()
     while in_flight:
         group, diffing = in_flight.popleft()
         yield from _batch_records(group, diffing.finish())
@@ -461,37 +486,78 @@ def _encode_group(group: _Batch) -> Iterator[Record]:
 def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
          error: str | None) -> tuple[str | None, int, int]:
     """The trainer side of one delta-mode update (after the header); returns (error, bytes
-    moved, buckets), as ``BucketEngine._transfer``."""
+    moved, buckets), as ``BucketEngine._transfer``. Sent in rounds (:func:`_budget`): a
+    round's buckets go out, then the next round is diffed while they move and are applied."""
     snaps: Snapshots = engine._snapshots  # type: ignore[attr-defined]
     held = snaps.version if snaps.fingerprint == manifest.fingerprint else None
     full = engine.last_full = not _agree(engine, held, None)
     snaps.version = None  # until this update completes
     capacity = engine.bucket_size - TRAILER_BYTES - 8
-    mine: list[list[Record | Block]] = []  # this rank's buckets
+    items: Iterator[Record | Block | None] | None = None
     if error is None and stream is not None:
-        try:
-            with torch.no_grad():
-                mine = list(_buckets(_records(pieces_of(stream, engine.trainer_rank, engine.n_senders),
-                                              manifest, snaps, full, capacity - 8), capacity))
-        except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-            error = f"{engine.where()}: taking the delta of the weights: {e}"
-            mine = []
-    plan = _plan(engine, [8 + sum(r.size for r in b) for b in mine])
-    wire = 0
-    for b in plan:
-        if b.owner != engine.trainer_rank:
-            continue
-        slot = engine._acquire(b)
-        k = b.turn
-        if error is None and k < len(mine):
-            _fill(slot, mine[k])
-        engine._stamper.stamp(slot, b, version, buffers.STATUS_ABORT if error else buffers.STATUS_OK,
-                              error or "")
-        engine._send(b, slot)
-        wire += b.wire_bytes
-    engine._flush_send(_PlanView(plan))
+        items = _records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps, full,
+                         capacity - 8, _budget(engine, manifest))
+    every: list[Bucket] = []  # every round's buckets
+    wire, go_on = 0, True
+    while go_on:
+        mine: list[list[Record | Block]] = []  # this rank's buckets of this round
+        more = False
+        if error is None and items is not None:
+            try:
+                with torch.no_grad():
+                    mine, more = _round(items, capacity)
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{engine.where()}: taking the delta of the weights: {e}"
+                mine, more = [], False
+        sizes = [8 + sum(r.size for r in b) for b in mine]
+        plan, go_on = _plan(engine, sizes, every, more, error is not None)
+        for b in plan:
+            if b.owner != engine.trainer_rank:
+                continue
+            slot = engine._acquire(b)
+            k = b.turn - plan[0].turn
+            if error is None and k < len(mine):
+                _fill(slot, mine[k])
+            engine._stamper.stamp(slot, b, version, buffers.STATUS_ABORT if error else buffers.STATUS_OK,
+                                  error or "")
+            engine._send(b, slot)
+            wire += b.wire_bytes
+        every += plan
+    if items is not None:
+        items.close()  # (after a failure: its kernel calls and arenas let go)
+    engine._flush_send(_PlanView(every))
     engine._delta_pending = (version, manifest.fingerprint)  # type: ignore[attr-defined]
-    return error, wire, len(plan)
+    return error, wire, len(every)
+
+
+def _budget(engine: BucketEngine, manifest: Manifest) -> int | None:
+    """Bytes of pieces per round on each trainer rank (None: one round). Each round is at
+    least a bucket of pieces; its records are all the arena holds, and the next round is
+    diffed while it moves and is applied. ``WEIGHTBUS_DELTA_ROUNDS`` rounds, by default 4
+    where buckets are on a GPU (the trainer's GPU diffs while the receivers' GPUs apply)
+    and 1 on hosts, where the diff and the apply share the cores (our 2-core box, 0.6b, 2 %
+    changed: 1 round 0.31-0.36x of the dense update, 4 rounds 0.36-0.40x)."""
+    rounds = config.env_integer("WEIGHTBUS_DELTA_ROUNDS", minimum=1, maximum=1024)
+    if rounds is None:
+        rounds = 4 if engine.device.type == "cuda" else 1
+    if rounds == 1:
+        return None
+    return max(engine.bucket_size, -(-manifest.nbytes // (engine.n_senders * rounds)))
+
+
+def _round(items: Iterator[Record | Block | None], capacity: int) -> tuple[list[list[Record | Block]], bool]:
+    """The buckets of the next round's records, and whether a round follows."""
+    follows = False
+
+    def upto() -> Iterator[Record | Block]:
+        nonlocal follows
+        for it in items:
+            if it is None:
+                follows = True
+                return
+            yield it
+
+    return list(_buckets(upto(), capacity)), follows
 
 
 def _fill(slot: torch.Tensor, items: list[Record | Block]) -> None:
@@ -558,34 +624,37 @@ def receive(engine: BucketEngine, version: int, manifest: Manifest,
                      f"manager's workers do it from their sink) before receiving")
         else:
             targets, error = _targets(engine, manifest, dest)
-    plan = _plan(engine, [])
     chain.version, applied = None, 0
-    for b in plan[: engine.num_buffers]:
-        engine._post_recv(b)
-    for b in plan:
-        slot = engine._wait_recv(b)
-        status, msg = buffers.check_trailer(slot, b, version, engine.where())
-        if status != buffers.STATUS_OK and error is None:
-            error = msg or f"{engine.where()}: bucket {b.index} arrived with status {status}"
-        if error is None:
-            engine.version = None  # from the first byte written on, the old version is gone
-            try:
-                with torch.no_grad():  # destinations may be parameters
-                    applied += _apply(slot, b.used, targets, manifest, full)
-            except _Drift as e:
-                error = f"{engine.where()}: {e}"
-            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                error = f"{engine.where()}: applying bucket {b.index}: {e}"
-        engine._release(b)
-        nxt = b.index + engine.num_buffers
-        if nxt < len(plan):
-            engine._post_recv(plan[nxt])
-    engine._flush_recv(_PlanView(plan))
+    every: list[Bucket] = []  # every round's buckets
+    go_on = True
+    while go_on:
+        plan, go_on = _plan(engine, [], every)
+        for b in plan[: engine.num_buffers]:
+            engine._post_recv(b)
+        for i, b in enumerate(plan):
+            slot = engine._wait_recv(b)
+            status, msg = buffers.check_trailer(slot, b, version, engine.where())
+            if status != buffers.STATUS_OK and error is None:
+                error = msg or f"{engine.where()}: bucket {b.index} arrived with status {status}"
+            if error is None:
+                engine.version = None  # from the first byte written on, the old version is gone
+                try:
+                    with torch.no_grad():  # destinations may be parameters
+                        applied += _apply(slot, b.used, targets, manifest, full)
+                except _Drift as e:
+                    error = f"{engine.where()}: {e}"
+                except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                    error = f"{engine.where()}: applying bucket {b.index}: {e}"
+            engine._release(b)
+            if i + engine.num_buffers < len(plan):
+                engine._post_recv(plan[i + engine.num_buffers])
+        every += plan
+    engine._flush_recv(_PlanView(every))
     if error is None:
         chain.digest = ((version * 7919 + 1) if full else
                         (chain.digest * 1000003 + applied + version)) & _MASK
         engine._delta_pending = (version, full)  # type: ignore[attr-defined]
-    return error, sum(b.wire_bytes for b in plan), len(plan)
+    return error, sum(b.wire_bytes for b in every), len(every)
 
 
 class _Drift(Exception):
@@ -663,6 +732,10 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         raise _Drift(f"a delta bucket is malformed (it says {count} records in {used} bytes)")
     if not isinstance(targets, _Targets):
         targets = _Targets(targets)
+    if count and targets.device is not None and targets.device != slot.device:
+        # (a host bucket for GPU tensors, as gloo moves: the records are few bytes, one copy
+        # of them to the tensors' device, then its kernels)
+        slot = slot[:used].to(targets.device)
     if count and targets.device == slot.device:
         if (lib := kernels.usable(slot)) is not None:
             return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
@@ -695,12 +768,12 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         if kind == FULL:
             sub.copy_(slot[values:values + n * e].view(meta.dtype))
         elif kind == DENSE:
-            vals = slot[values:values + n * e].view(meta.dtype)
+            vals = slot[values:values + n * e].view(meta.dtype).to(sub.device)  # (targets on many devices)
             checks.append((r, _weighted_range(start, _bits(vals).long() - _bits(sub).long()), digest))
             sub.copy_(vals)
         else:
-            raw = slot[where:where + (4 * k if kind == SPARSE else (n + 7) // 8)]
-            vals = slot[values:values + k * e].view(meta.dtype)
+            raw = slot[where:where + (4 * k if kind == SPARSE else (n + 7) // 8)].to(sub.device)
+            vals = slot[values:values + k * e].view(meta.dtype).to(sub.device)
             checks.append((r, _apply_torch(kind, raw, vals, sub, n, k, start, meta.name, r, bounds), digest))
     bad = set()
     if bounds:
@@ -776,21 +849,27 @@ def _agree(engine: BucketEngine, held: int | None, chain: int | None) -> bool:
     return hi[0].item() >= 1 and hi[0].item() == -lo[0].item() and hi[1].item() == -lo[1].item()
 
 
-def _plan(engine: BucketEngine, mine: list[int]) -> list[Bucket]:
-    """Every delta bucket of this update (bucket b from trainer b mod T, as always), from
-    each trainer rank's bucket sizes: two max-reductions (the counts, then the sizes)."""
+def _plan(engine: BucketEngine, mine: list[int], before: list[Bucket], more: bool = False,
+          failed: bool = False) -> tuple[list[Bucket], bool]:
+    """The buckets of one round of a delta update (bucket b from trainer b mod T, as
+    always; numbered on from ``before``, the rounds' so far), from each trainer rank's
+    bucket sizes, and whether another round follows (a trainer rank has pieces left, and
+    none failed): two max-reductions (the counts and flags, then the sizes)."""
     T = engine.n_senders
     rank = engine.trainer_rank if engine.role == "trainer" else -1
-    counts = torch.zeros(T, dtype=torch.int64)
+    head = torch.zeros(T + 2, dtype=torch.int64)
     if rank >= 0:
-        counts[rank] = len(mine)
-    engine._reduce_max(counts, "delta: agreeing on the buckets")
-    most = max(1, int(counts.max().item()))
+        head[rank], head[T], head[T + 1] = len(mine), int(more), int(failed)
+    engine._reduce_max(head, "delta: agreeing on the buckets")
+    most = max(1, int(head[:T].max().item()))
     sizes = torch.zeros(T, most, dtype=torch.int64)
     if rank >= 0 and mine:
         sizes[rank, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
     engine._reduce_max(sizes.view(-1), "delta: agreeing on the buckets")
-    return [Bucket(k * T + r, r, (), int(sizes[r, k].item()), k) for k in range(most) for r in range(T)]
+    first, turn = (before[-1].index + 1, before[-1].turn + 1) if before else (0, 0)
+    plan = [Bucket(first + k * T + r, r, (), int(sizes[r, k].item()), turn + k)
+            for k in range(most) for r in range(T)]
+    return plan, bool(head[T].item()) and not head[T + 1].item()
 
 
 class _PlanView:

@@ -581,6 +581,12 @@ class NixlEngine(LinkedEngine):
         except Exception:  # noqa: BLE001 - released with the agent anyway
             pass
 
+    def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
+        # our writes move only while we drive them (_progress): they land before we block
+        # on the control group, where the next round of a delta update is agreed
+        self._wait_writes(None)
+        super()._reduce_max(t, phase)
+
     # --- transport hooks ---------------------------------------------------------------
     def _packs(self, b: Bucket) -> bool:
         return b.owner == self.trainer_rank
