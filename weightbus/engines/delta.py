@@ -23,7 +23,9 @@ Per update, after the core's header:
 3. **Move.** Records are packed whole into buckets; the ranks agree on every bucket's size
    (two more small max-reductions: the counts, then the sizes) and the engine's own
    transport moves them (bucket b from trainer b mod T, as every update), trailers checked
-   on every receiver.
+   on every receiver. An update goes in rounds (:func:`_budget`): each round's records are
+   made, agreed on and sent, and the next round is diffed while they move and are applied;
+   the records' arena holds one round.
 4. **Apply, verify.** A receiver writes every record into its destination tensors in place
    (``set_destinations``; the manager's workers set them from their sink). Each delta
    record carries ``sum(w(pos) * (new - old))`` over its positions, ``old`` being the
