@@ -332,6 +332,29 @@ def test_arena_keeps_one_chunk_as_record_sizes_vary():
     assert arena.nbytes <= 3 * (5 * 1200 + 1200) // 2 + 5 * 1200  # (and the last update's new chunks)
 
 
+@pytest.mark.parametrize("n", [60, 1020, 5001])  # (the last bits in a whole word, or in the bytes after)
+def test_kernel_bitmap_patch_counts_its_bits_and_refuses_one_past_its_end(n):
+    """The C patch of a bitmap record (read a word at a time, the last bytes one by one):
+    writes the values at its set bits and says how many there are; a bit past its n is
+    refused (-1)."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    on = [0, 7, n // 2, n - 1]
+    vals = torch.tensor([11, 12, 13, 14], dtype=torch.int16)
+    for past in (False, True):
+        bits = torch.zeros(dm._pad((n + 7) // 8), dtype=torch.uint8)
+        for i in on + ([n] if past else []):
+            bits[i // 8] |= 1 << (i % 8)
+        dst = torch.zeros(n, dtype=torch.int16)
+        rows = torch.tensor([[dm.BITMAP, dst.data_ptr(), n, 2, 0, bits.data_ptr(), vals.data_ptr(), 4]])
+        status = int(kernels.apply_many(lib, rows)[0, 1])
+        if past:
+            assert status == -1
+        else:
+            assert status == 4 and dst[on].tolist() == [11, 12, 13, 14] and int(dst.count_nonzero()) == 4
+
+
 def test_kernel_threads_setting(monkeypatch):
     monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "3")
     assert kernels.threads() == 3

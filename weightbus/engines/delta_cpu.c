@@ -231,6 +231,15 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
  * memory (0.5 GiB of bf16 at 2 %: 47 ms without, 22 ms with, one core). */
 #define AHEAD 64
 
+/* Whole 64-bit words of a bitmap of nbytes read as words (where bytes lie little-endian in
+ * a word; elsewhere none: read byte by byte). A word at a time, listed as the diff lists
+ * its changes: at 10 % changed, a loop per byte over its bits took 220 ms for 0.5 GiB. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define WORDS_OF(nbytes) ((nbytes) / 8)
+#else
+#define WORDS_OF(nbytes) 0
+#endif
+
 /* The receiver's writes, for E-byte elements (E a constant: each copy one move), into dst:
  * the first of n elements a record covers (start: its position in the tensor, for the
  * digest, which is read against dst before each write). sparse: k values at positions pos,
@@ -255,7 +264,37 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
                               const uint8_t *vals, int64_t k, uint64_t *digest) {               \
         uint64_t sum = 0;                                                                       \
         int64_t j = 0;                                                                          \
-        for (int64_t byte = 0; byte < (n + 7) / 8; byte++) {                                    \
+        const int64_t nbytes = (n + 7) / 8, words = WORDS_OF(nbytes);                           \
+        const uint64_t top = 1ull << 63;                                                        \
+        int32_t at[CHUNK * 64 + 8];                                                             \
+        for (int64_t w0 = 0; w0 < words; w0 += CHUNK) { /* as the diff: bits listed, then taken */ \
+            const int64_t w1 = words - w0 < CHUNK ? words : w0 + CHUNK;                         \
+            int t = 0;                                                                          \
+            for (int64_t w = w0; w < w1; w++) {                                                 \
+                uint64_t m;                                                                     \
+                memcpy(&m, bitmap + 8 * w, 8); /* (little-endian: bit q of byte b is bit 8 b + q) */ \
+                const int c = __builtin_popcountll(m), r = (int)(64 * (w - w0));                \
+                for (int q = 0; q < 8; q++) { /* (a bitmap: more than 1 in 32 changed) */      \
+                    at[t + q] = r + __builtin_ctzll(m | top);                                   \
+                    m &= m - 1;                                                                 \
+                }                                                                               \
+                for (int q = 8; q < c; q++) {                                                   \
+                    at[t + q] = r + __builtin_ctzll(m);                                         \
+                    m &= m - 1;                                                                 \
+                }                                                                               \
+                t += c;                                                                         \
+            }                                                                                   \
+            for (int q = 0; q < t; q++) {                                                       \
+                const int64_t i = 64 * w0 + at[q];                                              \
+                if (i >= n) return -1;                                                          \
+                if (j < k) {                                                                    \
+                    sum += weight(start + i) * (load(vals + j * (E), E) - load(dst + i * (E), E)); \
+                    memcpy(dst + i * (E), vals + j * (E), E);                                   \
+                }                                                                               \
+                j++;                                                                            \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t byte = 8 * words; byte < nbytes; byte++) {                                 \
             unsigned bits = bitmap[byte];                                                       \
             while (bits) {                                                                      \
                 int64_t i = byte * 8 + __builtin_ctz(bits);                                     \
