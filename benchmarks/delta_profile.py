@@ -75,13 +75,8 @@ def main() -> None:
         enc = pack = app = 0.0
         while True:
             t_a = time.perf_counter()
-            recs, ended = [], True
-            for it in items:
-                if it is None:  # (a round ends; another follows)
-                    ended = False
-                    break
-                recs.append(it)
-            recs = dm._read_digests(recs)
+            buckets, follows = dm._round(items, 1 << 62)  # (one bucket holding the round's records)
+            recs = [it for b in buckets for it in b]
             sync()
             t_b = time.perf_counter()
             used = 8 + sum(r.size for r in recs)
@@ -94,7 +89,7 @@ def main() -> None:
             t_d = time.perf_counter()
             enc, pack, app = enc + t_b - t_a, pack + t_c - t_b, app + t_d - t_c
             n_recs, off = n_recs + len(recs), off + used
-            if ended:
+            if not follows:
                 break
         t0, t1, t2, t3 = 0.0, enc, enc + pack, enc + pack + app
         if prof:

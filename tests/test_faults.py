@@ -60,18 +60,15 @@ LOST += [("nixl", w, "kill") for w in ("trainer", "rollout")] if HAVE_NIXL else 
 LOST += [("mooncake", w, "kill") for w in ("trainer", "rollout")] if HAVE_MOONCAKE else []
 
 
-@pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])
-@pytest.mark.parametrize("backend,who,how", LOST, ids=["-".join(x) for x in LOST])
-def test_peer_lost_at_every_phase(port, backend, phase, who, how):
-    """1 trainer, 2 rollouts. After one good update a peer (the trainer, or rollout 2) is
-    SIGKILLed or SIGSTOPped at ``phase`` of the next; every survivor raises within the
-    deadline naming the phase, claims no version it does not hold, and the trainer's
-    shared memory is gone from /dev/shm (colocated)."""
-    lost = 0 if who == "trainer" else 2
+def _lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False
+              ) -> tuple[dict, list]:
+    """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
+    survivor's report (each must report), and the processes (all ended)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = (port, backend, lost, phase, how, DEADLINE, out)
-    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args)) for r in range(3)]
+    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args), kwargs={"delta": delta})
+             for r in range(3)]
     for p in procs:
         p.start()
     survivors = {r for r in range(3) if r != lost}
@@ -91,6 +88,18 @@ def test_peer_lost_at_every_phase(port, backend, phase, who, how):
         if p.is_alive():
             p.kill()
     assert set(results) == survivors, results
+    return results, procs
+
+
+@pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])
+@pytest.mark.parametrize("backend,who,how", LOST, ids=["-".join(x) for x in LOST])
+def test_peer_lost_at_every_phase(port, backend, phase, who, how):
+    """1 trainer, 2 rollouts. After one good update a peer (the trainer, or rollout 2) is
+    SIGKILLed or SIGSTOPped at ``phase`` of the next; every survivor raises within the
+    deadline naming the phase, claims no version it does not hold, and the trainer's
+    shared memory is gone from /dev/shm (colocated)."""
+    lost = 0 if who == "trainer" else 2
+    results, procs = _lose_one(port, backend, lost, phase, how)
     if backend in ("mooncake", "nixl") and who == "rollout" and phase != "formation":
         # each replica has its own group (nixl: rollout 2 is last in the chain, so nothing
         # is below it): the other one completes the update, bitwise
@@ -138,29 +147,7 @@ def test_peer_lost_in_a_delta_update(port, who, phase):
     agreement): after one good update the trainer or rollout 2 is SIGKILLed at ``phase`` of
     a delta update; every survivor raises within the deadline naming the phase, and claims
     no version it does not hold."""
-    lost = 0 if who == "trainer" else 2
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    args = (port, "gloo", lost, phase, "kill", DEADLINE, out)
-    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args), kwargs={"delta": True})
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    survivors = {r for r in range(3) if r != lost}
-    results = {}
-    t_end = time.monotonic() + 90
-    while len(results) < len(survivors) and time.monotonic() < t_end:
-        try:
-            rank, res = out.get(timeout=1)
-            results[rank] = res
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if not any(procs[r].is_alive() for r in survivors) and out.empty():
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert set(results) == survivors, results
+    results, _ = _lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", delta=True)
     # (right after the header, the ranks agree on the version held; a rollout lost while it
     # patches is noticed by the other rollout at the final status, the broadcasts having
     # reached it)
