@@ -2,7 +2,7 @@
 encoding of every piece, and a receiver applying the records, on a preset's shapes.
 
     python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda] [--rounds 5]
-        [--split 4]
+        [--split 4] [--kernel-times]
 
 ``--split N``: the records made in N rounds, as an update in rounds sends them (each round
 packed and applied before the next is made, its arena reused); prints what the arenas hold.
@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print where the Python time went")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--split", type=int, default=1, help="rounds an update is made in")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also time each GPU kernel by CUDA events around its launches")
     args = ap.parse_args()
     dev = torch.device(args.device)
     shapes = presets.shapes(args.preset, args.layers)
@@ -49,6 +51,17 @@ def main() -> None:
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
+
+    timed = {}
+    if args.kernel_times and dev.type == "cuda":
+        from delta_gpu_kernels import _Timed  # (this folder's: CUDA events around each launch)
+
+        from weightbus.engines import delta_gpu
+
+        ks = delta_gpu.kernels()
+        timed = {name: _Timed(getattr(ks, name)) for name in ("diff", "write", "bitcount", "apply")}
+        for name, t in timed.items():
+            setattr(ks, name, t)
 
     dm.records(pieces(), manifest, snaps, True, cap)  # the full update: snapshots made
     if dev.type == "cuda":
@@ -98,13 +111,16 @@ def main() -> None:
         print(f"round {rnd}: {n_recs} records or blocks, {off / 2**20:.1f} MiB of "
               f"{sum(w.numel() * 2 for w in weights) / 2**20:.1f}; encode {1e3 * (t1 - t0):.1f} ms, "
               f"pack {1e3 * (t2 - t1):.1f} ms, apply {1e3 * (t3 - t2):.1f} ms; bitwise {ok}")
+        if timed:
+            print("  kernels (ms): " + ", ".join(f"{k} {t.take():.1f}" for k, t in timed.items()))
         if rnd:  # (round 0 compiles and pages in)
             times.append((t1 - t0, t3 - t2))
     if times:
         enc, app = (sorted(x)[len(x) // 2] for x in zip(*times, strict=True))
         print(f"median of rounds 1-{args.rounds - 1}: encode {1e3 * enc:.1f} ms, apply {1e3 * app:.1f} ms")
     held = snaps.arenas.nbytes + sum(a.nbytes for a in snaps.device_arenas.values())
-    print(f"arenas: {held / 2**20:.1f} MiB ({args.split} round(s)), snapshots "
+    print(f"arenas: {held / 2**20:.1f} MiB ({args.split} round(s)), block tables "
+          f"{snaps.layouts.nbytes / 2**20:.1f} MiB, snapshots "
           f"{sum(t.numel() * t.element_size() for t in snaps.pieces.values()) / 2**20:.1f} MiB")
     if dev.type == "cuda":  # what else a delta update held at its peak (the profile's own slot too)
         print(f"device memory at the peak, above what was held before: "

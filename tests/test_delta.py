@@ -184,7 +184,8 @@ def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, group, monkey
     are the torch path's, bit for bit (also with many groups in flight at once)."""
     if group is not None:
         monkeypatch.setattr(dm, "_GROUP", group)
-    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33))]
+    # (pieces of whole blocks only, whole blocks and a partial one, a partial one only)
+    shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33)), ("f", (2, 4096))]
     g = torch.Generator().manual_seed(4)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
     manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
@@ -332,23 +333,36 @@ def test_arena_keeps_one_chunk_as_record_sizes_vary():
     assert arena.nbytes <= 3 * (5 * 1200 + 1200) // 2 + 5 * 1200  # (and the last update's new chunks)
 
 
-@pytest.mark.parametrize("n", [60, 1020, 5001])  # (the last bits in a whole word, or in the bytes after)
-def test_kernel_bitmap_patch_counts_its_bits_and_refuses_one_past_its_end(n):
-    """The C patch of a bitmap record (read a word at a time, the last bytes one by one):
-    writes the values at its set bits and says how many there are; a bit past its n is
-    refused (-1)."""
-    lib = kernels.library()
-    if lib is None:
-        pytest.skip("no C compiler")
+@pytest.mark.parametrize("n", [60, 1020, 5001, 8199])  # (the last bits in a whole word, or bytes after)
+@pytest.mark.parametrize("kernel", ["c", "triton"])
+def test_kernel_bitmap_patch_counts_its_bits_and_refuses_one_past_its_end(n, kernel, monkeypatch):
+    """The patch of a bitmap record (C: a 64-bit word at a time, the last bytes one by one;
+    Triton: 32-bit words assembled from bytes, a block of 4,096 bits per program): writes the
+    values at its set bits and says how many there are; a bit past its n is refused (-1) and
+    never written."""
+    if kernel == "c":
+        lib = kernels.library()
+        if lib is None:
+            pytest.skip("no C compiler")
+
+        def patch(rows):
+            return kernels.apply_many(lib, rows)
+    else:
+        _as_on_a_gpu(monkeypatch)
+
+        def patch(rows):
+            return gpu.apply_many(rows, torch.device("cpu"))
     on = [0, 7, n // 2, n - 1]
-    vals = torch.tensor([11, 12, 13, 14], dtype=torch.int16)
+    vals = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int16)
     for past in (False, True):
         bits = torch.zeros(dm._pad((n + 7) // 8), dtype=torch.uint8)
         for i in on + ([n] if past else []):
             bits[i // 8] |= 1 << (i % 8)
-        dst = torch.zeros(n, dtype=torch.int16)
-        rows = torch.tensor([[dm.BITMAP, dst.data_ptr(), n, 2, 0, bits.data_ptr(), vals.data_ptr(), 4]])
-        status = int(kernels.apply_many(lib, rows)[0, 1])
+        dst = torch.zeros(n + 1, dtype=torch.int16)  # (one more: a write past n would show)
+        k = 5 if past else 4
+        rows = torch.tensor([[dm.BITMAP, dst.data_ptr(), n, 2, 0, bits.data_ptr(), vals.data_ptr(), k]])
+        status = int(patch(rows)[0, 1])
+        assert int(dst[n]) == 0
         if past:
             assert status == -1
         else:

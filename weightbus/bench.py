@@ -421,10 +421,12 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             result["checksums"] = {"delta mode": "MISMATCH"}
         stats = delta_engine.last_stats
         held = delta_engine._snapshots  # type: ignore[attr-defined]
-        # the snapshots on the weights' device; on a host, the arenas its records were made in too
+        # what it holds between updates on the weights' device: the snapshots, the arenas its
+        # records are made in, on a GPU the kernels' block tables
         snaps = sum(t.numel() * t.element_size() for t in held.pieces.values()
                     if t.device.type == device.type)
-        snaps += held.arenas.nbytes if device.type == "cpu" else 0
+        snaps += held.arenas.nbytes if device.type == "cpu" else \
+            sum(a.nbytes for a in held.device_arenas.values()) + held.layouts.nbytes
         result.update(delta_wire=stats.wire_bytes if stats else 0, dense_wire=plan.wire_bytes,
                       delta_full=delta_engine.last_full,
                       delta_extra=int(times.pop("delta_peak", [0])[0]) + snaps + _engine_bytes(delta_engine))

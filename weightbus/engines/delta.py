@@ -131,6 +131,7 @@ class Snapshots:
         self.pieces: dict[tuple[int, int], torch.Tensor] = {}
         self.arenas = kernels.Arenas()  # where the CPU kernels encode, kept across updates
         self.device_arenas: dict[torch.device, kernels.Arena] = {}  # where the GPU kernels do
+        self.layouts = gpu.Layouts()  # the GPU kernels' block tables, per group of piece sizes
 
     def reset(self) -> None:
         """A new update: the last one's records are sent, their arenas free again."""
@@ -452,7 +453,7 @@ def _flush(group: _Batch, snaps: Snapshots, in_flight: deque[tuple[_Batch, gpu.D
         return
     device = group.parts[0].device
     in_flight.append((group, gpu.Diff(group.columns()[[0, 1, 2, 4]], group.e[0], device,
-                                      snaps.device_arena(device))))
+                                      snaps.device_arena(device), snaps.layouts)))
     while len(in_flight) > 1:
         done, diffing = in_flight.popleft()
         yield from _batch_records(done, diffing.finish())

@@ -8,21 +8,26 @@ launches per group of pieces and one wait for the device (:class:`Diff`):
 
 1. *diff*: each block reads the new values and the snapshot once (16 bytes at a time),
    keeps its changed elements' bits (a bitmap) and count, sums its share of the digest and
-   writes the new values into the snapshot; one wait, for every piece's count and digest,
-   from which the host chooses each record's kind (positions, bitmap or dense values; the
-   choice of :func:`delta.encode`) and lays the bodies out, one after the other, in an
-   arena kept between updates;
-2. *write*: each block of a positions or bitmap record reads its bits and the rows of new
-   values with a change, and writes the positions (at the block's prefix of the piece's
-   count) or the bitmap bytes, and the values; nothing waits for it (the bucket's copy
-   comes after it on the stream). The next group's pass one is launched before this
-   group's layout, so the GPU works while the host lays out.
+   writes the new values into the snapshot (whole blocks in one launch, the pieces' partial
+   last blocks in a second: one body for both ran 1.3x slower); one wait, for every piece's
+   count and digest, from which the host chooses each record's kind (positions, bitmap or
+   dense values; the choice of :func:`delta.encode`) and lays the bodies out, one after the
+   other, in an arena kept between updates;
+2. *write*: each block of a positions or bitmap record takes its changes from its bits, a
+   lane per 32-bit word, one set bit per word per step (work that follows the changes, not
+   the elements), and writes the positions (at the block's prefix of the piece's count) or
+   the bitmap bytes, and the values; nothing waits for it (the bucket's copy comes after it
+   on the stream). The next group's pass one is launched before this group's layout, so the
+   GPU works while the host lays out; a group's block tables are made once per set of piece
+   sizes and kept (:class:`Layouts`), as the host's ops would otherwise cost more than the
+   GPU's diff.
 
 The receiver's apply is two launches per bucket (bitmap records count their set bits per
-block first, so each block knows where its values start) and one wait for the digests and
-statuses. The records are the C kernels' and the torch path's, bit for bit
-(tests/test_delta.py checks them under Triton's interpreter, and on a GPU where there is
-one). Without Triton, or with ``WEIGHTBUS_DELTA_KERNELS=0``, GPUs use the torch path.
+block first, so each block knows where its values start; a bitmap's values are then written
+as pass two takes them, a word per lane) and one wait for the digests and statuses. The
+records are the C kernels' and the torch path's, bit for bit (tests/test_delta.py checks
+them under Triton's interpreter, and on a GPU where there is one). Without Triton, or with
+``WEIGHTBUS_DELTA_KERNELS=0``, GPUs use the torch path.
 
 Why hand-written: no library of the field diffs or patches many tensors in one launch.
 """
@@ -40,7 +45,7 @@ from weightbus import config
 
 log = logging.getLogger(__name__)
 
-BLOCK = 4096  # elements per program (a multiple of 8: a block's bitmap is whole bytes)
+BLOCK = 4096  # elements per program (a multiple of 32: a block's bits are whole 32-bit words)
 WARPS = [8, 4]  # warps per program of the diff and the write (the fastest on an H100)
 _FULL, _SPARSE, _BITMAP, _DENSE, _NONE = 0, 1, 2, 3, -1  # as delta.py's kinds
 _lock = threading.Lock()
@@ -97,6 +102,78 @@ def _blocks(sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, to
     return item, off, first
 
 
+class _WholeFirst:
+    """The diff's blocks of pieces of ``sizes`` elements (a host tensor): every piece's whole
+    blocks, piece after piece, then each piece's partial last block (a piece's blocks in the
+    order of its elements, but not next to each other: its last block comes after all whole
+    ones). ``item`` and ``off`` (on ``device``) give each block's piece and first element.
+    Made once per group of piece sizes and kept (see :class:`Layouts`): a dozen small device
+    ops and copies, which cost the host more than the GPU's diff of the group."""
+
+    def __init__(self, sizes: torch.Tensor, device: torch.device) -> None:
+        per = sizes // BLOCK
+        partial = (sizes % BLOCK) != 0
+        self.whole = int(per.sum())
+        tails = partial.nonzero().flatten()
+        last = torch.full(sizes.shape, -1, dtype=torch.int64)
+        last[tails] = self.whole + torch.arange(len(tails))
+        first = torch.cumsum(per, 0) - per  # (each piece's whole blocks: [first, first + per))
+        item = torch.repeat_interleave(torch.arange(len(sizes)), per, output_size=self.whole)
+        item = torch.cat([item, tails])
+        off = torch.cat([torch.arange(self.whole) - first[item[:self.whole]], per[tails]]) * BLOCK
+        b = torch.arange(len(item))
+        # for a block's changes before it in its piece: a whole block's, from its piece's
+        # first; a partial one's, all the piece's whole blocks
+        upto = torch.where(b < self.whole, b, (first + per)[item])
+        host = torch.stack([item, off, upto, first[item]])
+        ends = torch.stack([first, first + per, last.clamp(min=0), (last >= 0).long()])
+        both = torch.cat([host.flatten(), ends.flatten()]).to(device, non_blocking=True)
+        self.item, self.off, self._upto, self._lo = both[:host.numel()].view(4, -1)
+        self._first, self._end, self._last, self._has_last = both[host.numel():].view(4, -1)
+        self.nbytes = both.numel() * 8
+
+    def per_piece(self, running: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each piece's sums of the rows of ``x`` (int64, a column per block), from
+        ``running``, their running sums."""
+        if not x.shape[1]:
+            return x.new_zeros(len(x), len(self._first))
+        ex = torch.nn.functional.pad(running, (1, 0))  # (exclusive: ex[:, b] sums the blocks before b)
+        return ex[:, self._end] - ex[:, self._first] + x[:, self._last] * self._has_last
+
+    def before(self, running: torch.Tensor) -> torch.Tensor:
+        """Each block's sum of the blocks before it in its piece (``running``: a running sum
+        over blocks)."""
+        ex = torch.nn.functional.pad(running, (1, 0))
+        return ex[self._upto] - ex[self._lo]
+
+
+class Layouts:
+    """The block layouts of the groups a trainer rank diffs, kept between updates (its
+    groups' piece sizes are the same every update); at most ``most`` of them."""
+
+    def __init__(self, most: int = 256) -> None:
+        self._held: dict[tuple[bytes, torch.device], _WholeFirst] = {}
+        self._most = most
+        self._lock = threading.Lock()
+
+    def get(self, sizes: torch.Tensor, device: torch.device) -> _WholeFirst:
+        key = (sizes.numpy().tobytes(), device)
+        with self._lock:
+            found = self._held.get(key)
+        if found is None:
+            found = _WholeFirst(sizes, device)
+            with self._lock:
+                if len(self._held) >= self._most:
+                    self._held.clear()  # (a source whose groups change every update: made anew)
+                self._held[key] = found
+        return found
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory they hold."""
+        return sum(x.nbytes for x in self._held.values())
+
+
 def _prefix(before: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """Each block's sum of the blocks before it in its item, from ``before``, its sum of
     all blocks before it (an item of no blocks may have its first block past the end:
@@ -113,15 +190,15 @@ def _on(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def diff_many(table: torch.Tensor, e: int, device: torch.device, arena: Any
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def diff_many(table: torch.Tensor, e: int, device: torch.device, arena: Any,
+              layouts: Layouts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Diff every piece, a column ``[new values' address, snapshot's address, n, start]`` of
     ``table`` (host int64; flat tensors of ``e``-byte elements on ``device``), and set each
     snapshot to its new values. Returns what ``delta_kernels.diff_many`` does: a host row
     per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing changed, 1
     positions, 2 bitmap, 3 dense: send the values whole) and the room in ``arena`` (on
     ``device``) the bodies lie in, one after the other (taken). :class:`Diff` in one go."""
-    return Diff(table, e, device, arena).finish()
+    return Diff(table, e, device, arena, layouts).finish()
 
 
 class Diff:
@@ -129,27 +206,31 @@ class Diff:
     way to the host; :meth:`finish` lays the records out and launches pass two. Start the
     next group's before finishing this one, and the GPU diffs it while the host lays out."""
 
-    def __init__(self, table: torch.Tensor, e: int, device: torch.device, arena: Any) -> None:
+    def __init__(self, table: torch.Tensor, e: int, device: torch.device, arena: Any,
+                 layouts: Layouts | None = None) -> None:
         ks = kernels()
         self.e, self.dev, self.arena, self.INT = e, device, arena, _int(ks.tl, e)
         self.n = table[2]
         with _on(device):
             self.cur, snap_tab, self.n_dev, start_tab = table.contiguous().to(device, non_blocking=True)
-            item, off, first = self.item, self.off, self.first = _blocks(self.n, device)
-            self.counts = counts = torch.empty(len(item), dtype=torch.int32, device=device)
-            self.scratch = torch.empty(len(item) * (BLOCK // 8), dtype=torch.uint8, device=device)  # the bits
-            partial = torch.empty(len(item), dtype=torch.int64, device=device)
+            self.blocks = blocks = (layouts or Layouts()).get(self.n, device)
+            item, off, total = blocks.item, blocks.off, len(blocks.item)
+            self.counts = counts = torch.empty(total, dtype=torch.int32, device=device)
+            self.scratch = torch.empty(total * (BLOCK // 8), dtype=torch.uint8, device=device)  # the bits
+            partial = torch.empty(total, dtype=torch.int64, device=device)
             self.align = 16 if bool(((table[:2] % 16) == 0).all()) else 1
-            ks.diff[(len(item),)](self.cur, snap_tab, self.n_dev, start_tab, item, off, counts, self.scratch,
-                                  partial, INT=self.INT, BLOCK=BLOCK, ALIGN=self.align, NARROW=e <= 2,
-                                  num_warps=WARPS[0])
-            # each piece's sums as differences of running sums (an index_add_ over 100,000s
-            # of blocks into a few pieces contends on its atomics); int64 wraps as the digest
-            last = torch.cat([first[1:], torch.full_like(first[:1], len(item))]) - 1
-            self.before = before = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # (blocks before)
-            digests = torch.cumsum(partial, 0)  # (1-D scans: a scan of 2 rows runs far slower)
-            sums = torch.stack([before[last] + counts[last] - before[first],
-                                digests[last] - digests[first] + partial[first]])
+            for b0, count, whole in ((0, blocks.whole, True), (blocks.whole, total - blocks.whole, False)):
+                if count:
+                    ks.diff[(count,)](self.cur, snap_tab, self.n_dev, start_tab, item, off, counts,
+                                      self.scratch, partial, b0, INT=self.INT, BLOCK=BLOCK, ALIGN=self.align,
+                                      NARROW=e <= 2, WHOLE=whole, num_warps=WARPS[0])
+            # each piece's sums from running sums (an index_add_ over 100,000s of blocks into
+            # a few pieces contends on its atomics; 1-D scans: a scan of 2 rows runs far
+            # slower); int64 wraps as the digest
+            x = torch.stack([counts.to(torch.int64), partial])
+            running = torch.stack([torch.cumsum(x[0], 0), torch.cumsum(x[1], 0)])
+            self.running = running[0]
+            sums = blocks.per_piece(running, x)
             self.done: Any = None
             if device.type == "cuda":
                 self.sums = torch.empty(sums.shape, dtype=torch.int64, pin_memory=True)
@@ -182,11 +263,12 @@ class Diff:
                 out.zero_()  # (the padding between positions, bitmap and values: zeros, as the torch path)
                 lay = torch.stack([kind, out.data_ptr() + offset, out.data_ptr() + offset + where])
                 lay = lay.to(self.dev, non_blocking=True)
-                item, first = self.item, self.first
-                base = _prefix(self.before, item, first)  # (each block's: those before it in its piece)
-                kernels().write[(len(item),)](self.cur, self.n_dev, lay[0], lay[1], lay[2], item, self.off,
-                                              base, self.counts, self.scratch, INT=self.INT, BLOCK=BLOCK,
-                                              ALIGN=self.align, num_warps=WARPS[1])
+                item = self.blocks.item
+                base = self.blocks.before(self.running)  # (each block's: changes before it in its piece)
+                kernels().write[(len(item),)](self.cur, self.n_dev, lay[0], lay[1], lay[2], item,
+                                              self.blocks.off, base, self.counts, self.scratch,
+                                              self.scratch.view(torch.int32), INT=self.INT, BLOCK=BLOCK,
+                                              num_warps=WARPS[1])
         self.arena.take(used)
         return torch.stack([kind, k, digest, offset, nbytes], 1), out
 
