@@ -448,3 +448,31 @@ def test_buckets_of_blocks_land_bitwise(capacity, path):
             dm._apply(slot, size, targets, manifest, fraction is None)
         for w, t in zip(weights, targets, strict=True):
             assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+
+
+def test_gpu_block_layout_sums_each_piece_in_element_order():
+    """The GPU diff's blocks (every piece's whole blocks first, then the partial last ones):
+    each piece's sums and each block's changes before it in its piece are those of its
+    blocks in element order; a layout is kept per set of piece sizes, within its bytes."""
+    B = gpu.BLOCK
+    sizes = torch.tensor([3 * B, 5, 2 * B + 7, B, 1], dtype=torch.int64)
+    lay = gpu._WholeFirst(sizes, torch.device("cpu"))
+    assert lay.whole == 6 and len(lay.item) == 9
+    # the blocks' pieces and first elements: piece by piece in element order
+    got = sorted(zip(lay.item.tolist(), lay.off.tolist(), range(len(lay.item)), strict=True))
+    want = [(p, o) for p, n in enumerate(sizes.tolist()) for o in range(0, n, B)]
+    assert [(p, o) for p, o, _ in got] == want
+    x = torch.randint(0, 1000, (2, len(lay.item)), dtype=torch.int64)
+    running = torch.stack([torch.cumsum(x[0], 0), torch.cumsum(x[1], 0)])
+    before = lay.before(running[0])
+    sums = lay.per_piece(running, x)
+    for p in range(len(sizes)):
+        mine = [b for q, _, b in got if q == p]  # (its blocks, in element order)
+        assert sums[:, p].tolist() == [int(x[0, mine].sum()), int(x[1, mine].sum())]
+        assert [int(before[b]) for b in mine] == [int(x[0, mine[:i]].sum()) for i in range(len(mine))]
+    layouts = gpu.Layouts(most=2 * lay.nbytes)
+    a = layouts.get(sizes, torch.device("cpu"))
+    assert layouts.get(sizes.clone(), torch.device("cpu")) is a  # (kept)
+    layouts.get(sizes + 1, torch.device("cpu"))
+    layouts.get(sizes + 2, torch.device("cpu"))  # (past its bytes: the others dropped)
+    assert layouts.nbytes <= 2 * lay.nbytes and layouts.get(sizes, torch.device("cpu")) is not a

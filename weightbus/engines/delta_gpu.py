@@ -149,12 +149,15 @@ class _WholeFirst:
 
 class Layouts:
     """The block layouts of the groups a trainer rank diffs, kept between updates (its
-    groups' piece sizes are the same every update); at most ``most`` of them."""
+    groups' piece sizes are the same every update): ~32 bytes per block of 4,096 elements,
+    at most ``most`` bytes of them (past that they are dropped and made anew: a source whose
+    groups change every update costs host time, never memory)."""
 
-    def __init__(self, most: int = 256) -> None:
+    def __init__(self, most: int = 512 << 20) -> None:
         self._held: dict[tuple[bytes, torch.device], _WholeFirst] = {}
         self._most = most
         self._lock = threading.Lock()
+        self.nbytes = 0  # the device memory they hold
 
     def get(self, sizes: torch.Tensor, device: torch.device) -> _WholeFirst:
         key = (sizes.numpy().tobytes(), device)
@@ -163,15 +166,14 @@ class Layouts:
         if found is None:
             found = _WholeFirst(sizes, device)
             with self._lock:
-                if len(self._held) >= self._most:
-                    self._held.clear()  # (a source whose groups change every update: made anew)
+                if key in self._held:  # (made by another thread meanwhile)
+                    return self._held[key]
+                if self.nbytes + found.nbytes > self._most:
+                    self._held.clear()
+                    self.nbytes = 0
                 self._held[key] = found
+                self.nbytes += found.nbytes
         return found
-
-    @property
-    def nbytes(self) -> int:
-        """The device memory they hold."""
-        return sum(x.nbytes for x in self._held.values())
 
 
 def _prefix(before: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
