@@ -90,25 +90,14 @@ def _int(tl: Any, e: int) -> Any:
     return {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[e]
 
 
-def _blocks(sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For items of ``sizes`` elements (a host tensor): the item of every block, the block's
-    first element in its item, and the index of each item's first block (on ``device``)."""
-    per = (sizes + BLOCK - 1) // BLOCK
-    per_d = per.to(device, non_blocking=True)
-    total = int(per.sum())
-    item = torch.repeat_interleave(torch.arange(len(sizes), device=device), per_d, output_size=total)
-    first = torch.cumsum(per_d, 0) - per_d
-    off = (torch.arange(total, device=device) - first[item]) * BLOCK
-    return item, off, first
-
-
 class _WholeFirst:
-    """The diff's blocks of pieces of ``sizes`` elements (a host tensor): every piece's whole
-    blocks, piece after piece, then each piece's partial last block (a piece's blocks in the
-    order of its elements, but not next to each other: its last block comes after all whole
-    ones). ``item`` and ``off`` (on ``device``) give each block's piece and first element.
-    Made once per group of piece sizes and kept (see :class:`Layouts`): a dozen small device
-    ops and copies, which cost the host more than the GPU's diff of the group."""
+    """The kernels' blocks of items (pieces, or records) of ``sizes`` elements (a host
+    tensor): every item's whole blocks, item after item, then each item's partial last block
+    (an item's blocks in the order of its elements, but not next to each other: its last
+    block comes after all whole ones, so the diff's two launches each take a run of blocks).
+    ``item`` and ``off`` (on ``device``) give each block's item and first element. Made on
+    the host and copied once; the diff's are kept per group of piece sizes (see
+    :class:`Layouts`): made anew, they cost the host more than the GPU's diff of the group."""
 
     def __init__(self, sizes: torch.Tensor, device: torch.device) -> None:
         per = sizes // BLOCK
@@ -174,13 +163,6 @@ class Layouts:
                 self._held[key] = found
                 self.nbytes += found.nbytes
         return found
-
-
-def _prefix(before: torch.Tensor, item: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Each block's sum of the blocks before it in its item, from ``before``, its sum of
-    all blocks before it (an item of no blocks may have its first block past the end:
-    never read, so clamped)."""
-    return before - before[first.clamp(max=len(before) - 1)][item]
 
 
 def _pad(n: torch.Tensor) -> torch.Tensor:
@@ -297,7 +279,8 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         return out
     kind, n, e, k = table[:, 0], table[:, 2], int(table[0, 3]), table[:, 7]
     tab = table.to(device, non_blocking=True)
-    item, off, first = _blocks(torch.where(kind == _SPARSE, k, n), device)
+    lay = _WholeFirst(torch.where(kind == _SPARSE, k, n), device)  # (blocks over values, or over n)
+    item, off = lay.item, lay.off
     if not len(item):  # (records with nothing to write: a directory may say so)
         return torch.stack([torch.zeros_like(kind), torch.where(kind == _SPARSE, -1, 0)], 1)
     grid = (len(item),)
@@ -308,7 +291,7 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
         bits.zero_()
     partial = torch.empty(len(item), dtype=torch.int64, device=device)
     bad = torch.empty(len(item), dtype=torch.int64, device=device)
-    base = _prefix(torch.cumsum(bits, 0) - bits, item, first)  # (a bitmap block's first value)
+    base = lay.before(torch.cumsum(bits, 0))  # (a bitmap block's first value)
     ks.apply[grid](tab, item, off, base, partial, bad, INT=_int(ks.tl, e), BLOCK=BLOCK, num_warps=8)
     R = len(table)
     ours = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, partial)

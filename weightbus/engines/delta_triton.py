@@ -34,9 +34,14 @@ def _diff_block(cur, snap, r, rows, lane, left, b, base, counts, scratch, partia
         srd = tl.sum(tl.sum(r * d, axis=1).to(tl.int64), axis=0)
         tl.store(partial + b, (base * sd + srd) * 2654435761 + sd)
     else:
-        w = (base + r) * 2654435761 + 1
-        terms = tl.where(changed, w * (x.to(tl.int64) - y.to(tl.int64)), 0)
-        tl.store(partial + b, tl.sum(tl.sum(terms, axis=1), axis=0))
+        tl.store(partial + b, tl.sum(tl.sum(_terms(changed, base + r, x, y), axis=1), axis=0))
+
+
+@triton.jit
+def _terms(take, at, new, old):
+    """Digest terms, w(at) * (new - old) where ``take`` (else 0), w(i) = i * 2654435761 + 1:
+    the receivers' check sums them per record as the trainer does."""
+    return tl.where(take, (at * 2654435761 + 1) * (new.to(tl.int64) - old.to(tl.int64)), 0)
 
 
 @triton.jit
@@ -74,6 +79,13 @@ def _popcount(x):
 
 
 @triton.jit
+def _lowest(w):
+    """Each word's lowest set bit's position (32 where none) and the word without it."""
+    low = w & -w
+    return _popcount(low - 1), w ^ low
+
+
+@triton.jit
 def write(cur_tab, n_tab, kind_tab, where_tab, vals_tab, blk_piece, blk_off, blk_base, counts, scratch,
           words, INT: tl.constexpr, BLOCK: tl.constexpr):
     """A block's changed elements (from ``diff``'s bits) into its record's body, where it is
@@ -97,13 +109,12 @@ def write(cur_tab, n_tab, kind_tab, where_tab, vals_tab, blk_piece, blk_off, blk
             where = tl.load(where_tab + p)
             for _ in range(tl.max(c, axis=0)):
                 on = w != 0
-                low = w & -w
-                j = first + _popcount(low - 1)
+                bit, w = _lowest(w)
+                j = first + bit
                 tl.store(vals + rank, tl.load(cur + j, mask=on), mask=on)
                 if kind == 1:
                     tl.store(where.to(tl.pointer_type(tl.int32)) + rank, j.to(tl.int32), mask=on)
                 rank += 1
-                w = w ^ low
             if kind == 2:
                 n = tl.load(n_tab + p)
                 rows = off // 8 + tl.arange(0, BLOCK // 8)
@@ -156,15 +167,14 @@ def _apply_bitmap(dst, n, start, bitmap, vals, k, off, base, BLOCK: tl.constexpr
     first = off + i * 32
     acc = tl.zeros((BLOCK // 32,), dtype=tl.int64)
     for _ in range(tl.max(c, axis=0)):
-        low = w & -w
-        j = first + _popcount(low - 1)
         take = (w != 0) & (rank < k)
+        bit, w = _lowest(w)
+        j = first + bit
         x = tl.load(vals + rank, mask=take, other=0)
         old = tl.load(dst + j, mask=take, other=0)
         tl.store(dst + j, x, mask=take)
-        acc += tl.where(take, ((start + j) * 2654435761 + 1) * (x.to(tl.int64) - old.to(tl.int64)), 0)
+        acc += _terms(take, start + j, x, old)
         rank += 1
-        w = w ^ low
     return tl.sum(acc, axis=0)
 
 
@@ -194,8 +204,7 @@ def apply(rows, blk_rec, blk_off, blk_base, partial, first_bad, INT: tl.constexp
         x = tl.load(vals + j, mask=take, other=0)
         old = tl.load(dst + pos, mask=take, other=0)
         tl.store(dst + pos, x, mask=take)
-        w = (start + pos) * 2654435761 + 1
-        part = tl.sum(tl.where(take, w * (x.to(tl.int64) - old.to(tl.int64)), 0), axis=0)
+        part = tl.sum(_terms(take, start + pos, x, old), axis=0)
     elif kind == 2:
         tl.store(first_bad + b, big)
         part = _apply_bitmap(dst, n, start, where.to(tl.pointer_type(tl.uint8)), vals, k, off,
@@ -206,7 +215,5 @@ def apply(rows, blk_rec, blk_off, blk_base, partial, first_bad, INT: tl.constexp
         x = tl.load(vals + j, mask=take, other=0)
         old = tl.load(dst + j, mask=take, other=0)
         tl.store(dst + j, x, mask=take)
-        w = (start + j) * 2654435761 + 1
-        take = take & (kind == 3)  # (a full record has no digest)
-        part = tl.sum(tl.where(take, w * (x.to(tl.int64) - old.to(tl.int64)), 0), axis=0)
+        part = tl.sum(_terms(take & (kind == 3), start + j, x, old), axis=0)  # (a full record: no digest)
     tl.store(partial + b, part)
