@@ -494,6 +494,17 @@ def _delta_model(fsdp_port: int | None, rank: int, T: int):
     return model
 
 
+def _count_calls(owner: object, name: str, counter: list[int]) -> None:
+    """Replace ``owner.name`` (a function, or a method of a class) with one that counts its
+    calls in ``counter[0]`` (this worker process only)."""
+    real = getattr(owner, name)
+
+    def counting(*a, **k):
+        counter[0] += 1
+        return real(*a, **k)
+    setattr(owner, name, counting)
+
+
 def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: float, updates: int,
                   backend: str = "gloo"):
     """``updates`` updates in delta mode, with a real AdamW step at ``lr`` before each:
@@ -510,12 +521,7 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     engine = CheckpointEngineRegistry.new(backend, role="trainer" if is_trainer else "rollout", delta=True,
                                           bucket_size=1 << 16, timeout=30)
     rounds = [0]
-    real_plan = dm._plan
-
-    def counting_plan(*a, **k):
-        rounds[0] += 1
-        return real_plan(*a, **k)
-    dm._plan = counting_plan
+    _count_calls(dm, "_plan", rounds)
     connect(engine, rdv, T, R)
     log: list[dict] = []
     if is_trainer:
@@ -523,20 +529,10 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         gathers = [0]
         import weightbus.sources as src_mod
-        real_gather = src_mod._gather
-
-        def counting_gather(*a, **k):
-            gathers[0] += 1
-            return real_gather(*a, **k)
-        src_mod._gather = counting_gather
+        _count_calls(src_mod, "_gather", gathers)
         if T > 1:  # and every whole-tensor gather a DTensor does (none may happen in delta mode)
             from torch.distributed.tensor import DTensor
-            real_full = DTensor.full_tensor
-
-            def counting_full(self, *a, **k):
-                gathers[0] += 1
-                return real_full(self, *a, **k)
-            DTensor.full_tensor = counting_full
+            _count_calls(DTensor, "full_tensor", gathers)
     else:
         from weightbus.demo import TinyTransformer
         model = TinyTransformer(vocab=256, dim=64, layers=2).to(torch.bfloat16)
