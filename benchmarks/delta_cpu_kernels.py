@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from weightbus.engines import delta_kernels as kernels
+from weightbus.engines.delta import cpu as kernels
 
 
 def _median(times: list[float]) -> float:

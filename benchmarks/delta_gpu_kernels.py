@@ -16,8 +16,8 @@ import statistics
 
 import torch
 
-from weightbus.engines import delta_gpu as gpu
-from weightbus.engines import delta_kernels as kernels
+from weightbus.engines.delta import cpu as kernels
+from weightbus.engines.delta import gpu
 
 
 class _Timed:

@@ -56,7 +56,7 @@ def main() -> None:
     if args.kernel_times and dev.type == "cuda":
         from delta_gpu_kernels import _Timed  # (this folder's: CUDA events around each launch)
 
-        from weightbus.engines import delta_gpu
+        from weightbus.engines.delta import gpu as delta_gpu
 
         ks = delta_gpu.kernels()
         timed = {name: _Timed(getattr(ks, name)) for name in ("diff", "write", "bitcount", "apply")}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from weightbus.engines import delta as dm
-from weightbus.engines import delta_gpu as gpu
-from weightbus.engines import delta_kernels as kernels
+from weightbus.engines.delta import cpu as kernels
+from weightbus.engines.delta import gpu
 from weightbus.plan import Manifest, TensorMeta
 
 SHAPES = [("a", (300, 7)), ("b", (5,)), ("c", (4096,)), ("d", (1,))]
@@ -306,7 +306,7 @@ def test_no_compiler_means_the_torch_path(tmp_path):
     import subprocess
     import sys
     code = ("import logging, torch; logging.basicConfig()\n"
-            "from weightbus.engines import delta_kernels as k\n"
+            "from weightbus.engines.delta import cpu as k\n"
             "assert k.library() is None and k.usable(torch.zeros(4)) is None\n")
     env = {**__import__("os").environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ from weightbus.engines import (
     CheckpointEngineWithCache,
     UpdateStats,
 )
-from weightbus.engines.base import WeightSource, WeightStream
+from weightbus.engines.api import WeightSource, WeightStream
 from weightbus.errors import (
     ConfigError,
     ManifestMismatch,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightbus import comm, presets
-from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
@@ -338,12 +338,15 @@ def raw_mooncake(engine: CheckpointEngine, plan: Any) -> None:
 
 def _update_fn(engine: CheckpointEngine, source: ModuleSource | None,
                weights: dict[str, torch.Tensor] | None) -> Any:
-    """One weightbus update: trainers (``source``) send, rollouts load into ``weights``."""
+    """One weightbus update: trainers (``source``) send, rollouts load into ``weights`` (one
+    sink for every update, as a rollout worker keeps one for its model)."""
+    sink = ModuleSink(weights) if source is None else None  # type: ignore[arg-type]
+
     def update() -> None:
         if source is not None:
             asyncio.run(engine.send_weights(source))
         else:
-            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))  # type: ignore[arg-type]
+            asyncio.run(sink.load(engine.receive_weights()))  # type: ignore[union-attr]
     return update
 
 

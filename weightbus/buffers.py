@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
+import numpy as np
 import torch
 
+from weightbus import native
 from weightbus.errors import PlanError
 from weightbus.plan import TRAILER_BYTES, Bucket, BucketPlan, Chunk, TensorMeta
 
@@ -256,50 +258,69 @@ def copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
 LARGE_COPY = 16 << 20
 
 
-class _HostBytes:
-    """Byte copies between CPU tensors through numpy views, for lists of small tensors.
+_data_ptr = torch.Tensor.data_ptr
+_nbytes = operator.attrgetter("nbytes")
 
-    On the CPU, torch's multi-tensor copy is a loop of full copies (~1 us each: a
-    TensorIterator per pair), so 100k tensors of 1 KiB cost ~100 ms where the bytes take
-    ~7. An assignment between numpy views costs ~0.35 us. Making a numpy view costs more
-    than a copy, so views are made once: the destinations' when the list is made, the
-    sources' when they change (by address; each view holds its tensor's storage, so an
-    address seen again is the same memory)."""
 
-    def __init__(self, dsts: list[torch.Tensor]):
-        self.dsts = [_byte_view(d) for d in dsts]
-        self._src_ptrs: list[int] = []
-        self._srcs: list[Any] = []
+class _HostCopy:
+    """Byte copies between host tensors of one dtype and shape, a whole list in one native
+    call (:func:`weightbus.native.copy_library`: a memcpy per pair), for lists of many small
+    tensors. On the CPU, torch's multi-tensor copy is a loop of full copies (~1 us each: a
+    TensorIterator per pair), so 100k tensors of 1 KiB cost ~100 ms where their bytes take
+    ~10.
+
+    The destinations' addresses and sizes are tabled once. The sources' addresses are read
+    per call (in C-level passes); the sources are checked (host, contiguous, the
+    destination's dtype and shape) only when they are not the very tensors at the very
+    addresses of the last call. The last sources are held, so their memory cannot be
+    freed and reused under an address seen again."""
+
+    def __init__(self, lib: Any, dsts: list[torch.Tensor]):
+        self._lib = lib
+        self._dsts = dsts
+        self._dst = np.fromiter(map(_data_ptr, dsts), np.int64, len(dsts))
+        self._sizes = np.fromiter(map(_nbytes, dsts), np.int64, len(dsts))
+        self._srcs: list[torch.Tensor] | None = None
+        self._src = self._dst[:0]
+        #: the sources were given once and checked: :meth:`run` with None reuses them
+        self.fixed = False
 
     @staticmethod
     def usable(dsts: list[torch.Tensor]) -> bool:
         return bool(dsts) and all(d.device.type == "cpu" and d.is_contiguous() for d in dsts)
 
-    def run(self, dst_tensors: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
-        """Copy if every source has its destination's dtype and is contiguous on the CPU;
-        False (nothing copied) otherwise."""
-        ptrs = list(map(torch.Tensor.data_ptr, srcs))
-        if ptrs != self._src_ptrs:
+    def run(self, srcs: list[torch.Tensor] | None) -> bool:
+        """Copy if every source fits its destination byte for byte; False (nothing copied)
+        otherwise. ``None``: the sources of the last call, as they were (fixed sources, such
+        as views of a bucket slot, are read and checked once)."""
+        if srcs is None and self._srcs is not None:
+            self._copy(self._src)
+            return True
+        assert srcs is not None
+        src = np.fromiter(map(_data_ptr, srcs), np.int64, len(srcs))
+        last = self._srcs
+        if last is None or not np.array_equal(src, self._src) or not all(map(operator.is_, srcs, last)):
+            self._srcs = None
             if not all(s.device.type == "cpu" and s.is_contiguous() and s.dtype == d.dtype
-                       and s.shape == d.shape for s, d in zip(srcs, dst_tensors, strict=True)):
+                       and s.shape == d.shape for s, d in zip(srcs, self._dsts, strict=True)):
                 return False
-            self._srcs, self._src_ptrs = [_byte_view(s) for s in srcs], ptrs
-        for d, s in zip(self.dsts, self._srcs, strict=True):
-            d[...] = s
+            self._srcs, self._src = list(srcs), src
+        self._copy(src)
         return True
 
-
-def _byte_view(t: torch.Tensor) -> Any:
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    def _copy(self, src: np.ndarray) -> None:
+        self._lib.wb_copy_list(len(src), self._dst.ctypes.data, src.ctypes.data, self._sizes.ctypes.data)
 
 
 class CopyList:
-    """A fixed list of destinations (views made once), filled from sources given per call:
-    the small ones in one multi-tensor call (byte copies through numpy on the CPU, where
-    the types match), the large ones a native copy each."""
+    """A fixed list of destinations (views made once), filled from sources given per call,
+    or from ``srcs`` given once (fixed sources: :meth:`run` with none): the small ones in
+    one multi-tensor call (on the CPU, where the types match, one native call of byte
+    copies), the large ones a native copy each."""
 
-    def __init__(self, dsts: list[torch.Tensor]):
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor] | None = None):
         self.dsts = dsts
+        self.srcs = srcs
         self.large = [i for i, d in enumerate(dsts) if d.numel() * d.element_size() >= LARGE_COPY]
         if self.large:
             large = set(self.large)
@@ -307,14 +328,27 @@ class CopyList:
             self.small_dsts = [dsts[i] for i in self.small]
         else:
             self.small, self.small_dsts = None, dsts
-        self._host = _HostBytes(self.small_dsts) if _HostBytes.usable(self.small_dsts) else None
+        lib = native.copy_library() if _HostCopy.usable(self.small_dsts) else None
+        self._host = _HostCopy(lib, self.small_dsts) if lib is not None else None
+        self._fixed_small = self._small_srcs(srcs) if srcs is not None else None
 
-    def run(self, srcs: list[torch.Tensor], names: Callable[[int], str] | None = None) -> None:
+    def _small_srcs(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return srcs if self.small is None else [srcs[i] for i in self.small]
+
+    def run(self, srcs: list[torch.Tensor] | None = None, names: Callable[[int], str] | None = None) -> None:
+        if srcs is None:  # the fixed sources: on the CPU, their addresses were read once
+            srcs = self.srcs
+            assert srcs is not None, "a CopyList made without sources needs them per call"
+            small_srcs = self._fixed_small
+            host_srcs = None if self._host is not None and self._host.fixed else small_srcs
+        else:
+            small_srcs = host_srcs = self._small_srcs(srcs)
         small = self.small
-        small_srcs = srcs if small is None else [srcs[i] for i in small]
-        if self._host is None or not self._host.run(self.small_dsts, small_srcs):
-            copy_group(self.small_dsts, small_srcs,
+        if self._host is None or not self._host.run(host_srcs):
+            copy_group(self.small_dsts, small_srcs,  # type: ignore[arg-type]
                        (lambda k: names(small[k])) if names is not None and small is not None else names)
+        elif host_srcs is not None and self.srcs is not None:
+            self._host.fixed = True  # checked once against the fixed sources: not again
         for i in self.large:
             try:
                 self.dsts[i].copy_(srcs[i], non_blocking=True)
@@ -430,7 +464,7 @@ class _UnpackProgram:
                 self.pieces.append((c, view))
                 if last:
                     self.items.append(None)
-        self.copies = CopyList(dsts)
+        self.copies = CopyList(dsts, self.srcs)  # (the slot's views: fixed)
         self.static = not self.pieces
 
 
@@ -473,13 +507,13 @@ class Assembler:
         same object at every update (a consumer may key work it did once on it)."""
         prog = self._program(bucket, b)
         if prog.static:
-            prog.copies.run(prog.srcs)
+            prog.copies.run()
             return prog.items  # type: ignore[return-value]
         return list(self.unpack(bucket, b))
 
     def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         prog = self._program(bucket, b)
-        prog.copies.run(prog.srcs)
+        prog.copies.run()
         if prog.static:
             yield from prog.items  # type: ignore[misc]
             return

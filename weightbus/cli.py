@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified",
                        formatter_class=_Defaults)
-    from weightbus.engines.base import CheckpointEngineRegistry
+    from weightbus.engines.api import CheckpointEngineRegistry
     d.add_argument("--backend", default="gloo", choices=CheckpointEngineRegistry.names(),
                    help="engine backend (default: gloo)")
     d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",

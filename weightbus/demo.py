@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightbus.bench import raw_broadcast
-from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource

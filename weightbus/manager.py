@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightbus import comm, config
-from weightbus.engines.base import CheckpointEngineRegistry, CheckpointEngineWithCache
+from weightbus.engines.api import CheckpointEngineRegistry, CheckpointEngineWithCache
 from weightbus.errors import UpdateFailed, WeightbusError, WeightSyncError
 from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
 

@@ -150,7 +150,7 @@ class Manifest:
     def __hash__(self) -> int:
         return self.fingerprint
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
 

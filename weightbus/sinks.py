@@ -8,14 +8,39 @@ mis-shaped in one :class:`SinkError`.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 
 from weightbus.errors import SinkError
+
+_NBYTES = operator.attrgetter("nbytes")
+#: id(batch) -> (batch, its names, its tensors, their bytes), for batches of tensors some
+#: model holds (written in place): engines hand the same list objects at every update, so
+#: this is worked out once per process, whichever sink loads them (a sink is often made per
+#: update). Only such batches are kept: their tensors live on anyway.
+_SPLIT: dict[int, tuple[list, list[str], list[torch.Tensor], int]] = {}
+
+
+def _split(batch: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor], int, bool]:
+    """(names, tensors, their bytes, whether it was split before)."""
+    known = _SPLIT.get(id(batch))
+    if known is not None and known[0] is batch:
+        return known[1], known[2], known[3], True
+    names, tensors = (list(x) for x in zip(*batch, strict=True)) if batch else ([], [])
+    return names, tensors, sum(map(_NBYTES, tensors)), False
+
+
+def _keep_split(batch: list[tuple[str, torch.Tensor]], names: list[str], tensors: list[torch.Tensor],
+                nbytes: int) -> None:
+    if len(_SPLIT) >= 65536:  # fresh lists every update: start over
+        _SPLIT.clear()
+    _SPLIT[id(batch)] = (batch, names, tensors, nbytes)  # (keeps the list alive: its id stays its own)
 
 
 @dataclass
@@ -67,16 +92,23 @@ class ModuleSink:
         self.name_map = name_map
         self.targets: dict[str, torch.Tensor] = (
             dict(module.state_dict(keep_vars=True)) if isinstance(module, nn.Module) else dict(module))
-        self._nbytes = {k: t.nbytes for k, t in self.targets.items()}
-        # tied weights (an lm_head that is the embedding): one name of a group arriving
-        # fills them all, so the others are not missing
+        # nothing per tensor here: a sink is often made per update (``ModuleSink(model).load(
+        # engine.receive_weights())``), and a model of thousands of tensors would pay for it
+        # every time; what needs a look at every tensor is worked out when first needed
+        self._in_place_batches: dict[int, tuple[list]] = {}
+
+    @cached_property
+    def _tied(self) -> dict[str, str]:
+        """Tied weights (an lm_head that is the embedding): name -> the first name of its
+        group; one name of a group arriving fills them all, so the others are not missing.
+        Only asked for when a name is missing."""
         first: dict[tuple, str] = {}
-        self._tied: dict[str, str] = {}
+        tied: dict[str, str] = {}
         for k, t in self.targets.items():
             if t.numel():
                 key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-                self._tied[k] = first.setdefault(key, k)
-        self._in_place_batches: dict[int, tuple[list, list[str]]] = {}
+                tied[k] = first.setdefault(key, k)
+        return tied
 
     def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
         key = self.name_map(name) if self.name_map is not None else name
@@ -102,11 +134,13 @@ class ModuleSink:
         report.loaded += 1
         report.bytes += t.numel() * t.element_size()
 
-    def _close(self, report: LoadReport, seen: set[str], in_place: list[str]) -> LoadReport:
-        report.loaded += len(in_place)
-        report.bytes += sum(map(self._nbytes.__getitem__, in_place))
-        got = {self._tied.get(k, k) for k in seen}
-        report.missing = [k for k in self.targets if k not in seen and self._tied.get(k, k) not in got]
+    def _close(self, report: LoadReport, seen: set[str], in_place_bytes: int) -> LoadReport:
+        report.bytes += in_place_bytes
+        # ``seen`` holds only names of the model: as many as it has means none is missing
+        if len(seen) < len(self.targets):
+            tied = self._tied
+            got = {tied.get(k, k) for k in seen}
+            report.missing = [k for k in self.targets if k not in seen and tied.get(k, k) not in got]
         if report.mismatched or (self.strict and not report.ok):
             hint = (" (the update's dtype differs from the model's: send the model's dtype, e.g. "
                     "ModuleSource(model, dtype=...), or pass ModuleSink(..., allow_cast=True) to "
@@ -114,38 +148,46 @@ class ModuleSink:
             raise SinkError(f"loading into {type(self.module).__name__} failed: {report.describe()}{hint}")
         return report
 
-    def _load_batch(self, batch: list[tuple[str, torch.Tensor]], report: LoadReport, seen: set[str],
-                    in_place: list[str]) -> None:
-        """A bucket's worth. A list the engine hands again (same object: its tensors were
-        written in place, e.g. destinations or direct mode) costs a few C calls, not a
-        Python step per tensor."""
-        done = self._in_place_batches.get(id(batch))
-        if done is not None and done[0] is batch:
-            seen.update(done[1])
-            in_place.extend(done[1])
-            return
-        targets = self.targets if self.name_map is None else {}
-        names = []
+    def _load_batch(self, batch: list[tuple[str, torch.Tensor]], report: LoadReport,
+                    seen: set[str]) -> int:
+        """A bucket's worth; returns the bytes of its tensors the engine wrote in place (the
+        model's own tensors, as with destinations or direct mode: nothing to copy). The
+        check that they are is two C-level passes over the batch, not a Python step per
+        tensor; a list the engine hands again (the same object: see
+        :meth:`weightbus.WeightStream.batches`) is split into names and tensors once per
+        process, and checked once per sink."""
+        names, tensors, nbytes, known = _split(batch)
+        if self.name_map is None:
+            done = self._in_place_batches.get(id(batch))
+            if (done is not None and done[0] is batch) or \
+                    all(map(operator.is_, map(self.targets.get, names), tensors)):
+                if not known:
+                    _keep_split(batch, names, tensors, nbytes)
+                if done is None:
+                    if len(self._in_place_batches) >= 65536:  # fresh lists every update: start over
+                        self._in_place_batches.clear()
+                    self._in_place_batches[id(batch)] = (batch,)  # (keeps the list, and its id)
+                seen.update(names)
+                report.loaded += len(names)
+                return nbytes
+        in_place = 0
         for name, t in batch:
-            if targets.get(name) is t:
-                names.append(name)
+            if self.name_map is None and self.targets.get(name) is t:
+                seen.add(name)
+                report.loaded += 1
+                in_place += t.nbytes
             else:
                 self._load_one(name, t, report, seen)
-        seen.update(names)
-        in_place.extend(names)
-        if len(names) == len(batch):  # keeps the list alive, so its id stays its own
-            if len(self._in_place_batches) >= 65536:  # fresh lists every update: start over
-                self._in_place_batches.clear()
-            self._in_place_batches[id(batch)] = (batch, names)
+        return in_place
 
     async def load(self, stream: AsyncIterable[tuple[str, torch.Tensor]]) -> LoadReport:
         """Consume an engine's ``receive_weights()`` to the end (a bucket at a time where
         the stream offers it: :meth:`weightbus.WeightStream.batches`)."""
-        report, seen, in_place = LoadReport(), set(), []
+        report, seen, in_place = LoadReport(), set(), 0
         batches = getattr(stream, "batches", None)
         if batches is not None:
             async for batch in batches():
-                self._load_batch(batch, report, seen, in_place)
+                in_place += self._load_batch(batch, report, seen)
             return self._close(report, seen, in_place)
         targets = self.targets if self.name_map is None else {}
         async with contextlib.aclosing(stream) as s:  # type: ignore[type-var]
@@ -154,19 +196,21 @@ class ModuleSink:
                 # costs a lookup, for streams of 100k small tensors
                 if targets.get(name) is t:
                     seen.add(name)
-                    in_place.append(name)
+                    report.loaded += 1
+                    in_place += t.nbytes
                 else:
                     self._load_one(name, t, report, seen)
         return self._close(report, seen, in_place)
 
     def load_iter(self, stream: Iterable[tuple[str, torch.Tensor]]) -> LoadReport:
         """The same for a plain iterable."""
-        report, seen, in_place = LoadReport(), set(), []
+        report, seen, in_place = LoadReport(), set(), 0
         targets = self.targets if self.name_map is None else {}
         for name, t in stream:
             if targets.get(name) is t:  # as in load()
                 seen.add(name)
-                in_place.append(name)
+                report.loaded += 1
+                in_place += t.nbytes
             else:
                 self._load_one(name, t, report, seen)
         return self._close(report, seen, in_place)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import ReplicasFailed, WeightbusError
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sinks import ModuleSink

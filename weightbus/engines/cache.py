@@ -44,16 +44,15 @@ from typing import Any
 import torch
 
 from weightbus import buffers, config
-from weightbus.engines.base import (
+from weightbus.engines.api import (
     CheckpointEngineRegistry,
     CheckpointEngineWithCache,
     UpdateStats,
     Weights,
     WeightStream,
     check_sides,
-    fetch,
-    resolve_stream,
 )
+from weightbus.engines.streams import fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Manifest, TensorMeta
 

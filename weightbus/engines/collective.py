@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
-from weightbus.engines.base import BucketEngine, CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.bucket import BucketEngine
 from weightbus.errors import PlanError
 from weightbus.plan import Bucket, BucketPlan
 

@@ -35,18 +35,16 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
-from weightbus.engines.base import (
-    BucketEngine,
+from weightbus.engines.api import (
     CheckpointEngineRegistry,
-    StreamBroken,
     UpdateStats,
     Validator,
     Weights,
     WeightStream,
     check_sides,
-    fetch,
-    resolve_stream,
 )
+from weightbus.engines.bucket import BucketEngine
+from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 

@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 import torch
 
 from weightbus import comm
-from weightbus.engines.base import BucketEngine, UpdateStats, agree_buffers
+from weightbus.engines.api import UpdateStats, agree_buffers
+from weightbus.engines.bucket import BucketEngine
 from weightbus.errors import PlanError, ReplicasFailed, WeightSyncError, as_timedelta
 from weightbus.plan import Manifest
 

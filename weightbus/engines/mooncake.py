@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm, config
-from weightbus.engines.base import CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.links import Link, LinkedEngine, close, link_topology, replicas_of
 from weightbus.errors import PlanError, WeightSyncError, as_timedelta
 from weightbus.plan import Bucket, BucketPlan

@@ -47,7 +47,7 @@ import torch
 
 from weightbus import buffers, comm, config
 from weightbus import topology as topology_mod
-from weightbus.engines.base import CheckpointEngineRegistry, agree_buffers, check_sides
+from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.links import LinkedEngine, close, link_topology, replicas_of
 from weightbus.errors import PlanError, TransferFailed
 from weightbus.plan import Bucket, BucketPlan

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from weightbus import comm, config
-from weightbus.engines.base import CheckpointEngine
+from weightbus.engines.api import CheckpointEngine
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
 
 

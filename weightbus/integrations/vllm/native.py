@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightbus.config import BUILTIN_TIMEOUT
-from weightbus.engines.base import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck

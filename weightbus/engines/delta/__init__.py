@@ -33,8 +33,8 @@ Per update, after the core's header:
    so a corrupt patch, a misplaced one or a receiver whose copy drifted is an error naming
    the tensor and the range, never silent.
 
-On a host, step 2 and step 4 run as C kernels (:mod:`.delta_kernels`: one pass over memory
-each, on a few threads); on a GPU as Triton kernels (:mod:`.delta_gpu`: many pieces per
+On a host, step 2 and step 4 run as C kernels (:mod:`.cpu`: one pass over memory
+each, on a few threads); on a GPU as Triton kernels (:mod:`.gpu`: many pieces per
 launch); without a C compiler or Triton, as torch ops (the same records, bit for bit).
 
 Why hand-written: no library of the field diffs sharded tensors and applies the patches
@@ -46,17 +46,43 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from weightbus import buffers, config
-from weightbus.engines import delta_gpu as gpu
-from weightbus.engines import delta_kernels as kernels
+from weightbus.engines.delta import cpu as kernels
+from weightbus.engines.delta import gpu
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
-if TYPE_CHECKING:
-    from weightbus.engines.base import BucketEngine
+
+class Engine(Protocol):
+    """What delta mode uses of its engine: a :class:`weightbus.engines.bucket.BucketEngine`
+    (which imports this package, so it is described here rather than imported)."""
+
+    role: str | None
+    device: torch.device
+    version: int | None
+    bucket_size: int
+    num_buffers: int
+    n_senders: int
+    trainer_rank: int
+    last_full: bool | None
+    _snapshots: Snapshots
+    _chain: Chain
+    _delta_pending: Any
+    _dest: dict[str, torch.Tensor] | None
+    _stamper: buffers.Stamper
+
+    def where(self) -> str: ...
+    def _acquire(self, b: Bucket) -> torch.Tensor: ...
+    def _send(self, b: Bucket, slot: torch.Tensor) -> None: ...
+    def _flush_send(self, plan: Any) -> None: ...
+    def _post_recv(self, b: Bucket) -> None: ...
+    def _wait_recv(self, b: Bucket) -> torch.Tensor: ...
+    def _release(self, b: Bucket) -> None: ...
+    def _flush_recv(self, plan: Any) -> None: ...
+    def _reduce_max(self, t: torch.Tensor, phase: str) -> None: ...
 
 FULL, SPARSE, BITMAP, DENSE = 0, 1, 2, 3  # record kinds (FULL: dense, in a full update)
 _WORDS = 6  # record header: tensor, kind, start, n, k, digest
@@ -486,7 +512,7 @@ def _encode_group(group: _Batch) -> Iterator[Record]:
         at += k
 
 
-def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
+def send(engine: Engine, manifest: Manifest, stream: Any, version: int,
          error: str | None) -> tuple[str | None, int, int]:
     """The trainer side of one delta-mode update (after the header); returns (error, bytes
     moved, buckets), as ``BucketEngine._transfer``. Sent in rounds (:func:`_budget`): a
@@ -533,7 +559,7 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Any, version: int,
     return error, wire, len(every)
 
 
-def _budget(engine: BucketEngine, manifest: Manifest) -> int | None:
+def _budget(engine: Engine, manifest: Manifest) -> int | None:
     """Bytes of pieces per round on each trainer rank (None: one round). Each round is at
     least a bucket of pieces; its records are all the arena holds, and the next round is
     diffed while it moves and is applied. ``WEIGHTBUS_DELTA_ROUNDS`` rounds, by default 4
@@ -612,7 +638,7 @@ class Chain:
         self.digest = 0
 
 
-def receive(engine: BucketEngine, version: int, manifest: Manifest,
+def receive(engine: Engine, version: int, manifest: Manifest,
             error: str | None) -> tuple[str | None, int, int]:
     """The receiver side of one delta-mode update (after the header): applies every record
     into the destinations. Returns (error, bytes, buckets)."""
@@ -697,7 +723,7 @@ class _Targets(list):  # type: ignore[type-arg]
         self.device = devices.pop() if len(devices) == 1 else None
 
 
-def _targets(engine: BucketEngine, manifest: Manifest, dest: dict[str, torch.Tensor]
+def _targets(engine: Engine, manifest: Manifest, dest: dict[str, torch.Tensor]
              ) -> tuple[list[torch.Tensor | None], str | None]:
     """Every tensor's destination, flat and checked; kept for the next update while the
     destinations are the same tensors at the same addresses (a check per tensor that costs
@@ -803,7 +829,7 @@ def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, ta
     """``_apply`` by the kernels (C on a host, Triton on a GPU): the directory read once,
     checked and laid out by tensor ops (no Python per record: models have tens of thousands
     of tensors), every record written by ``apply_rows`` (a row per record, see
-    ``delta_kernels.apply_many``), then every check at once."""
+    ``cpu.apply_many``), then every check at once."""
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).cpu()
     index, kind, start, n, k, digest = heads.unbind(1)
 
@@ -840,7 +866,7 @@ def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, ta
 # ------------------------------------------------------------------ both sides
 
 
-def _agree(engine: BucketEngine, held: int | None, chain: int | None) -> bool:
+def _agree(engine: Engine, held: int | None, chain: int | None) -> bool:
     """Whether every rank holds the same version (and every receiver the same chain): two
     max-reductions, of the values and of their negations."""
     v = -1 if held is None else held
@@ -852,7 +878,7 @@ def _agree(engine: BucketEngine, held: int | None, chain: int | None) -> bool:
     return hi[0].item() >= 1 and hi[0].item() == -lo[0].item() and hi[1].item() == -lo[1].item()
 
 
-def _plan(engine: BucketEngine, mine: list[int], before: list[Bucket], more: bool = False,
+def _plan(engine: Engine, mine: list[int], before: list[Bucket], more: bool = False,
           failed: bool = False) -> tuple[list[Bucket], bool]:
     """The buckets of one round of a delta update (bucket b from trainer b mod T, as
     always; numbered on from ``before``, the rounds' so far), from each trainer rank's
@@ -885,7 +911,7 @@ class _PlanView:
         return len(self.buckets)
 
 
-def settle(engine: BucketEngine, ok: bool) -> None:
+def settle(engine: Engine, ok: bool) -> None:
     """After the outcome is agreed: what this rank holds from now on."""
     pending = getattr(engine, "_delta_pending", None)
     engine._delta_pending = None  # type: ignore[attr-defined]

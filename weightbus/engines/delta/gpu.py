@@ -54,9 +54,9 @@ _tried = False
 
 
 def _load() -> Any:
-    from weightbus.engines import delta_triton  # (Triton imported on first use: slow to import)
+    from weightbus.engines.delta import gpu_triton  # (Triton imported on first use: slow to import)
 
-    return delta_triton
+    return gpu_triton
 
 
 def kernels() -> Any:
@@ -178,7 +178,7 @@ def diff_many(table: torch.Tensor, e: int, device: torch.device, arena: Any,
               layouts: Layouts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Diff every piece, a column ``[new values' address, snapshot's address, n, start]`` of
     ``table`` (host int64; flat tensors of ``e``-byte elements on ``device``), and set each
-    snapshot to its new values. Returns what ``delta_kernels.diff_many`` does: a host row
+    snapshot to its new values. Returns what ``cpu.diff_many`` does: a host row
     per piece ``[kind, changed count, digest, offset, bytes]`` (kind: -1 nothing changed, 1
     positions, 2 bitmap, 3 dense: send the values whole) and the room in ``arena`` (on
     ``device``) the bodies lie in, one after the other (taken). :class:`Diff` in one go."""
@@ -261,7 +261,7 @@ def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Write every record, a host row ``[kind, dst address, n, e, start, positions or bitmap
     address, values address, k]`` of ``rows`` (int64, addresses on ``device``, one element
     size). Returns ``[our digest, status]`` per record, on the host, as
-    ``delta_kernels.apply_many``: status for positions, -1 or the first position out of
+    ``cpu.apply_many``: status for positions, -1 or the first position out of
     range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
     with _on(device):
         return _apply_many(rows, device)

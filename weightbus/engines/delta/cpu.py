@@ -1,28 +1,22 @@
-"""Delta mode's CPU kernels (``delta_cpu.c``): the trainer's diff and the receiver's apply in
+"""Delta mode's CPU kernels (``cpu.c``): the trainer's diff and the receiver's apply in
 one pass over memory each, where torch's own ops take ~10 passes and run their
 ``nonzero``/masked ops far below memory speed. Measured on the 0.6b preset (1.2 GB of bf16,
 2 % changed) on one core of this 2-core host: the diff took 1.25 s in torch ops and ~0.2 s
 here (~0.11 s of it reading the weights and the snapshot); the apply 0.39 s and ~0.13 s.
 Calls run on a few threads (:class:`Jobs`).
 
-Built on first use with the system's C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/weightbus`` (``~/.cache/weightbus``), keyed by the source, compiler and
-machine, and loaded
-with ctypes (which lets go of the GIL during a call). Where no compiler works, or with
+Built on first use by :mod:`weightbus.native` (the system's C compiler, cached, loaded with
+ctypes, which lets go of the GIL during a call). Where no compiler works, or with
 ``WEIGHTBUS_DELTA_KERNELS=0``, delta mode uses its torch path: the same records, bit for bit
-(tests/test_delta.py checks both), only slower. GPUs have their own (:mod:`.delta_gpu`).
+(tests/test_delta.py checks both), only slower. GPUs have their own (:mod:`.gpu`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import queue
-import subprocess
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,57 +27,31 @@ from typing import Any
 
 import torch
 
-from weightbus import config
+from weightbus import config, native
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("delta_cpu.c")
-_lock = threading.Lock()
+_SOURCE = Path(__file__).with_name("cpu.c")
 _lib: ctypes.CDLL | None = None
 _tried = False
+_lock = threading.Lock()
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
 
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *flags, platform.machine()]).encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightbus"
-    lib = cache / f"delta_cpu-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)  # then renamed: processes build at once
-        os.close(fd)
-        try:
-            cmd = [cc, *flags, "-o", tmp, str(_SOURCE)]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(tmp, lib)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    so = ctypes.CDLL(str(lib))
+def _declare(so: ctypes.CDLL) -> None:
     so.wb_diff_many.argtypes = [_i64, _p, _p, _i64, _p]
     so.wb_diff_many.restype = _i64
     so.wb_apply_many.argtypes = [_i64, _p, _p]
     so.wb_apply_many.restype = None
-    return so
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (disabled, or no compiler: the torch path is used)."""
     global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if config.flag("WEIGHTBUS_DELTA_KERNELS", True):
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError) as e:
-                    err = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-500:]
-                    log.warning("weightbus: delta mode's CPU kernels did not build (%s%s); using the "
-                                "slower torch path", e, f": {err}" if err else "")
-            _tried = True
+    if not _tried:
+        if config.flag("WEIGHTBUS_DELTA_KERNELS", True):
+            _lib = native.load(_SOURCE, _declare, "delta mode's CPU kernels")
+        _tried = True
     return _lib
 
 

@@ -1,4 +1,4 @@
-/* Delta mode's CPU kernels (weightbus/engines/delta_kernels.py builds and loads them).
+/* Delta mode's CPU kernels (weightbus/engines/delta/cpu.py builds and loads them).
  *
  * Why C: on a CPU, torch takes a diff in ~10 passes over memory (compare, nonzero, gathers,
  * digest, snapshot update), and its nonzero/masked ops run at a fraction of memory speed.

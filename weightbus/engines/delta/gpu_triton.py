@@ -1,4 +1,4 @@
-"""Delta mode's Triton kernels (launched by :mod:`.delta_gpu`, which says what they do).
+"""Delta mode's Triton kernels (launched by :mod:`.gpu`, which says what they do).
 Imported only where delta mode runs on a GPU: Triton is slow to import."""
 
 import triton

@@ -1,0 +1,82 @@
+"""Where one warm update spends its host time, on each side: cProfile around one update
+after a warm-up, in each process, for a stress preset (many small tensors) or a model preset.
+
+    python benchmarks/profile_update.py --backend gloo --tensors 100000 --tensor-bytes 1024
+    python benchmarks/profile_update.py --backend colocated --tensors 20000
+
+Prints the top functions by own time on the trainer and the rollout (CPU machines:
+gloo / shared memory; the same code runs on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, presets
+from weightbus.runtime.local import Rendezvous, connect, spawn
+
+
+def worker(rank: int, backend: str, preset: str, port: int, top: int) -> str:
+    trainer = rank == 0
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    shapes = presets.shapes(preset)
+    if trainer:
+        weights = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in shapes}
+    else:
+        weights = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes}
+    engine = CheckpointEngineRegistry.new(backend, role="trainer" if trainer else "rollout", timeout=120)
+    if not trainer:
+        engine.set_destinations(weights)
+    connect(engine, rdv, 1, 1)
+    source = ModuleSource(weights) if trainer else None
+
+    def update() -> None:
+        if trainer:
+            asyncio.run(engine.send_weights(source))
+        else:
+            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
+
+    for _ in range(2):
+        rdv.all_gather(None)
+        update()
+    rdv.all_gather(None)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    update()
+    prof.disable()
+    took = time.perf_counter() - t0
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    engine.finalize(destroy_group=True)
+    return f"=== {'trainer' if trainer else 'rollout'}: {took * 1e3:.1f} ms (profiled)\n" + out.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--tensors", type=int, default=100000)
+    ap.add_argument("--tensor-bytes", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    preset = a.preset or presets.stress(a.tensors, a.tensor_bytes)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    for text in spawn(worker, 2, (a.backend, preset, port, a.top), timeout=600):
+        print(text)
+    del store
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The hot path's guard: per-update work grows with buckets, not with tensors.
+
+One warm update of a model is counted on each side, in real processes (lines of Python
+executed, Python and C functions called, torch operators dispatched), for the same bytes
+split into 4x as many tensors. A step per tensor anywhere in the update (a Python loop, a
+torch copy or attribute read per tensor, a sink that looks at every tensor) adds thousands;
+per-bucket work adds none. Counts, never times: this runs the same on any machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from weightbus.runtime.local import spawn
+from workers_hotpath import update_counts
+
+FEW, MANY = 1000, 4000  # tensors, for the same bytes
+BYTES = 4 << 20  # the model's bytes: the same buckets for both
+BUCKET = 1 << 20
+#: what one more tensor may add to an update, at most, on each side (per-bucket work is a
+#: constant; a Python loop per tensor is several lines, a call per tensor is one)
+PER_TENSOR = 0.05
+
+
+@pytest.mark.parametrize("backend", ["gloo", "colocated"])
+def test_update_work_grows_with_buckets_not_tensors(backend, port):
+    few = spawn(update_counts, 2, (backend, FEW, BYTES // FEW, BUCKET, port), timeout=120)
+    import torch.distributed as dist  # a second store: the first one's keys are used
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    many = spawn(update_counts, 2, (backend, MANY, BYTES // MANY, BUCKET, store.port), timeout=120)
+    for side, a, b in zip(("trainer", "rollout"), few, many, strict=True):
+        assert a["buckets"] == b["buckets"], (side, a, b)
+        for what in ("lines", "calls", "ops"):
+            grown = b[what] - a[what]
+            assert grown <= PER_TENSOR * (MANY - FEW), (
+                f"{backend} {side}: one warm update's {what} grew by {grown} for {MANY - FEW} more "
+                f"tensors in the same {a['buckets']} buckets ({a[what]} -> {b[what]}): something "
+                f"in the hot path works per tensor")
+    assert few[0]["sum"] == few[1]["sum"] and many[0]["sum"] == many[1]["sum"]  # delivered, bitwise

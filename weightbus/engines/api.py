@@ -1,0 +1,351 @@
+"""Layer 3, the public engine API: what a user or a framework programs against.
+
+- :class:`CheckpointEngine`, the lifecycle every backend implements (prepare ->
+  build_topology -> init_process_group -> send_weights / receive_weights -> finalize), and
+  :class:`CheckpointEngineWithCache` for engines that also serve ``get_weights``;
+- :class:`CheckpointEngineRegistry`, backends by name;
+- :class:`WeightStream`, what ``receive_weights`` returns; :class:`UpdateStats`, what an
+  update reports; the :class:`WeightSource` protocol, what ``send_weights`` takes.
+
+How bucket engines move bytes lives one module over (:mod:`weightbus.engines.bucket`), how
+a sender reads its weights in :mod:`weightbus.engines.streams`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+
+from weightbus import buffers, config
+from weightbus.errors import PlanError, WeightbusError, WeightSyncError
+from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Manifest
+
+Role = Literal["trainer", "rollout"]
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What ``send_weights`` takes besides a plain iterable of ``(name, tensor)`` pairs:
+    a source that knows its manifest up front (:class:`weightbus.sources.ModuleSource`,
+    :class:`weightbus.integrations.hf.HFCheckpointSource`, a Megatron or checkpoint source
+    of your own). Every trainer rank iterates the same source in lockstep.
+
+    - ``manifest``: every tensor's rollout-side name, *wire* dtype and full shape, in the
+      order iteration yields them (a tensor may be yielded in another floating dtype: the
+      engine casts it once, inside the copy into the bucket);
+    - ``__iter__``: ``(name, full tensor)`` in manifest order;
+    - optionally ``iter_for(owners, rank, into=None)``: the same, but a rank that is not in
+      ``owners(i)`` may yield ``None`` for tensor ``i`` instead of materialising it
+      (sharded tensors are gathered only to the ranks that pack them); ``into(i)``, where
+      given, names a tensor to write tensor ``i`` into (direct mode);
+    - optionally ``plain_tensors()``: every tensor in manifest order as a list (or None),
+      so the engine packs with no per-tensor step.
+    """
+
+    manifest: Manifest
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+#: ``(name, tensor)`` pairs, or a :class:`WeightSource`.
+Weights = Iterable[tuple[str, torch.Tensor]]
+#: Checks an incoming update's manifest before any tensor is consumed; raises to reject it.
+Validator = Callable[[Manifest], None]
+#: Runs once the consumer has every tensor, before the ranks agree on the outcome; raises
+#: to fail the update on every rank (a post-load check of the rollout model).
+Completion = Callable[[], None]
+
+
+
+@dataclass
+class UpdateStats:
+    """What one update moved and how long it took, on one rank."""
+
+    version: int
+    tensors: int
+    bytes: int  # payload bytes delivered (wire dtype)
+    wire_bytes: int  # bytes that crossed the link on this rank's buckets, trailers included
+    seconds: float
+    buckets: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict, for a framework's metrics or logs."""
+        return {**dataclasses.asdict(self), "gbps": self.gbps}
+
+
+Batch = list[tuple[str, torch.Tensor]]
+
+
+class WeightStream:
+    """What ``receive_weights()`` returns: an async iterator of ``(name, tensor)``, one
+    item per tensor, which also hands out its tensors a bucket at a time
+    (:meth:`batches`) to a consumer that can take them so (:class:`ModuleSink` does): for
+    a model of 100k small tensors the per-tensor step costs more than the bytes.
+
+    Read it one way, to the end, or close it (``aclose``, or ``contextlib.aclosing``): an
+    update is complete only when its consumer has taken every tensor. A tensor that is a
+    view of a bucket is valid until the next item (or batch) is asked for.
+    """
+
+    def __init__(self, batches: Iterator[Batch] | AsyncIterator[Batch]):
+        self._batches = batches
+        self._items: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def __aiter__(self) -> WeightStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        while True:
+            for item in self._items:
+                return item
+            self._items = iter(await self._next_batch())
+
+    async def _next_batch(self) -> Batch:
+        if isinstance(self._batches, AsyncIterator):
+            return await self._batches.__anext__()
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """The tensors a bucket at a time: lists of ``(name, tensor)``, valid until the next
+        list is asked for. A list that is the same object as one of an earlier update
+        holds the same tensors (the engine wrote them in place both times)."""
+        try:
+            while True:
+                try:
+                    batch = await self._next_batch()
+                except StopAsyncIteration:
+                    return
+                yield batch
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop reading: an update not read to the end fails on every rank."""
+        if isinstance(self._batches, AsyncIterator):
+            close = getattr(self._batches, "aclose", None)
+            if close is not None:
+                await close()
+        else:
+            close = getattr(self._batches, "close", None)
+            if close is not None:
+                close()
+
+
+class CheckpointEngine(ABC):
+    """Moves one version of the weights from trainer ranks to rollout ranks.
+
+    Lifecycle (the seed API)::
+
+        meta = engine.prepare()                                    # every rank
+        t_kw, r_kw = Engine.build_topology(T, R, [metas...])       # anywhere
+        engine.init_process_group(**{k: v[rank] for k, v in kw.items()})
+        await engine.send_weights(stream)                          # trainer ranks
+        async for name, t in engine.receive_weights(): ...         # rollout ranks
+        engine.finalize()
+
+    ``metadata`` passed to :meth:`build_topology` lists the trainer ranks' metadata
+    first (trainer rank order), then the rollout ranks'.
+    """
+
+    #: registry name this instance was made under (``gloo``, ``nccl``, ``colocated``...)
+    backend: str = ""
+    #: rollout side: the replica this rank serves in (any name its ranks share; the
+    #: manager sets it). Backends that relay inside a replica (``mooncake``) group by it.
+    replica: str | None = None
+
+    def __init__(self, bucket_size: int | None = None, *, device: str | torch.device | None = None,
+                 num_buffers: int = 2, timeout: float | None = None, role: Role | None = None):
+        # every option is checked here, where it is given, not deep in an update
+        self._bucket_size = config.bucket_size(bucket_size, alignment=ALIGNMENT, trailer=TRAILER_BYTES)
+        self.num_buffers = config.integer(num_buffers, "num_buffers", minimum=1, maximum=64)
+        self.timeout = config.timeout(timeout)
+        if role not in (None, "trainer", "rollout"):
+            raise PlanError(f"role must be 'trainer' or 'rollout', got {role!r}")
+        try:
+            self.device = torch.device(device) if device is not None else _default_device()
+        except (RuntimeError, TypeError) as e:
+            raise PlanError(f"device={device!r} is not a device: {e}") from None
+        self.role: Role | None = role
+        #: version of the last update this engine completed (sent or fully received);
+        #: None on a receiver whose last update failed after it began writing: what it
+        #: holds may be part old, part new (torn) until an update completes
+        self.version: int | None = 0
+        self.last_stats: UpdateStats | None = None
+        self._dest: dict[str, torch.Tensor] | None = None
+        self._busy: dict[str, bool] = {}  # direction -> an update is under way
+
+    @property
+    def bucket_size(self) -> int:
+        if self._bucket_size is None:
+            self._bucket_size = buffers.default_bucket_size(self.device)
+        return self._bucket_size
+
+    @abstractmethod
+    def prepare(self) -> dict[str, Any]:
+        """Allocate buffers and open endpoints; returns metadata for build_topology."""
+
+    @classmethod
+    @abstractmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Per-rank keyword arguments of init_process_group: ``(trainer, rollout)``, each
+        a dict of lists indexed by rank within its side."""
+
+    @abstractmethod
+    def init_process_group(self, **kwargs: Any) -> None:
+        """Form (or re-form) the group; may be kept across updates."""
+
+    @abstractmethod
+    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+        """Send one version; every trainer rank calls it with the same ordered stream."""
+
+    @abstractmethod
+    def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
+        """Every tensor of one version, once, as a :class:`WeightStream` (an async iterator
+        of ``(name, tensor)``). A yielded tensor may be a view of a bucket: valid until the
+        next iteration. With ``expected``, an update whose manifest differs fails on every
+        rank before any tensor is yielded."""
+
+    @abstractmethod
+    def finalize(self, destroy_group: bool = False) -> None:
+        """Free buckets; with ``destroy_group`` also drop the group."""
+
+    def set_destinations(self, named: Any) -> None:
+        """Rollout side: write received tensors straight into these (name -> tensor) where
+        name, dtype and shape match, instead of yielding views of a bucket: no temporary
+        for split tensors and no second copy in the sink, which sees the tensor in place."""
+        self._dest = dict(named)
+
+    def where(self) -> str:
+        return f"{self.backend or type(self).__name__} {self.role or '?'} rank {getattr(self, 'rank', '?')}"
+
+    @contextlib.contextmanager
+    def _exclusive(self, direction: str) -> Iterator[None]:
+        """One update at a time per direction: a second one started while the first runs
+        would interleave with its messages and corrupt both."""
+        if self._busy.get(direction):
+            raise WeightSyncError(f"{self.where()}: {direction} started while another {direction} is "
+                                  f"still under way on this engine; finish (await or exhaust) the "
+                                  f"first one before the next update")
+        self._busy[direction] = True
+        try:
+            yield
+        finally:
+            self._busy[direction] = False
+
+    def _next_version(self, version: Any) -> int:
+        """The version a send carries: the one given (checked), else one more than the last."""
+        if version is None:
+            return (self.version or 0) + 1
+        return config.version(version)
+
+    def buffer_metadata(self) -> dict[str, Any]:
+        """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""
+        return {"bucket_size": self._bucket_size, "bucket_fit": self.bucket_size,
+                "num_buffers": self.num_buffers, "alignment": ALIGNMENT}
+
+
+def check_sides(trainer_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> None:
+    """What every ``build_topology`` needs: both sides present, one metadata entry per rank."""
+    T, R = trainer_world_size, rollout_world_size
+    if T < 1 or R < 1:
+        raise PlanError(f"need at least one trainer and one rollout rank, got {T} and {R}")
+    if len(metadata) != T + R:
+        raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
+
+
+def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> int:
+    """The bucket size every rank of a group uses, from every rank's metadata: the size
+    ranks were given explicitly (they must all agree), else the smallest that fits every
+    rank's free memory. Ranks must agree on the number of buffers too. A disagreement is
+    one error naming the ranks and their values (not a shape error on one side and a
+    timeout on the other)."""
+    def who(i: int) -> str:
+        return f"trainer rank {i}" if i < trainer_world_size else f"rollout rank {i - trainer_world_size}"
+
+    for key in ("bucket_size", "num_buffers", "alignment"):
+        given = {i: m[key] for i, m in enumerate(metadata) if m.get(key) is not None}
+        if len(set(given.values())) > 1:
+            raise PlanError(f"the ranks disagree on {key}: "
+                            + ", ".join(f"{who(i)} has {v}" for i, v in given.items())
+                            + (f"; give every rank the same {key}" if key != "alignment" else
+                               "; run the same weightbus version on every rank")
+                            + (" (or none: the smallest that fits every rank is then used)"
+                               if key == "bucket_size" else ""))
+    explicit = [m["bucket_size"] for m in metadata if m.get("bucket_size")]
+    if explicit:
+        return int(explicit[0])
+    fits = [int(m["bucket_fit"]) for m in metadata if m.get("bucket_fit")]
+    return min(fits) if fits else buffers.default_bucket_size(torch.device("cpu"))
+
+
+class CheckpointEngineWithCache(CheckpointEngine):
+    """An engine that keeps the latest version where a rollout can pull it on its own."""
+
+    @abstractmethod
+    def get_weights(self, newer_than: int | None = None) -> WeightStream:
+        """The newest cached version newer than ``newer_than``, at once: a stream whose
+        ``.version`` says which (``None``, and nothing in it, when there is none newer)."""
+
+
+class CheckpointEngineRegistry:
+    """Backends by name: ``CheckpointEngineRegistry.new("gloo", bucket_size=...)``."""
+
+    _engines: ClassVar[dict[str, tuple[type[CheckpointEngine], dict[str, Any]]]] = {}
+
+    @classmethod
+    def register(cls, name: str, **defaults: Any
+                 ) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
+        """Class decorator; stack it to register one class under several names, each
+        with its own constructor defaults."""
+
+        def deco(engine_cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
+            if name in cls._engines and cls._engines[name][0] is not engine_cls:
+                raise WeightbusError(f"checkpoint engine {name!r} is already registered "
+                                     f"to {cls._engines[name][0].__qualname__}")
+            cls._engines[name] = (engine_cls, defaults)
+            return engine_cls
+
+        return deco
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(cls._engines)
+
+    @classmethod
+    def get(cls, name: str) -> type[CheckpointEngine]:
+        return cls._lookup(name)[0]
+
+    @classmethod
+    def _lookup(cls, name: str) -> tuple[type[CheckpointEngine], dict[str, Any]]:
+        try:
+            return cls._engines[name]
+        except KeyError:
+            raise WeightbusError(f"unknown checkpoint engine backend {name!r}; registered: "
+                                 f"{', '.join(cls.names())}") from None
+
+    @classmethod
+    def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
+        engine_cls, defaults = cls._lookup(name)
+        engine = engine_cls(**{**defaults, **kwargs})
+        engine.backend = name
+        return engine
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
