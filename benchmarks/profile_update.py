@@ -3,6 +3,7 @@ after a warm-up, in each process, for a stress preset (many small tensors) or a 
 
     python benchmarks/profile_update.py --backend gloo --tensors 100000 --tensor-bytes 1024
     python benchmarks/profile_update.py --backend colocated --tensors 20000
+    python benchmarks/profile_update.py --backend colocated --direct --preset 30b-a3b --layers 24  (GPU)
 
 Prints the top functions by own time on the trainer and the rollout (CPU machines:
 gloo / shared memory; the same code runs on a GPU).
@@ -23,25 +24,35 @@ from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, preset
 from weightbus.runtime.local import Rendezvous, connect, spawn
 
 
-def worker(rank: int, backend: str, preset: str, port: int, top: int) -> str:
+def worker(rank: int, backend: str, preset: str, layers: int | None, direct: bool, port: int,
+           top: int) -> str:
     trainer = rank == 0
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
-    shapes = presets.shapes(preset)
+    shapes = presets.shapes(preset, layers)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", rank if backend != "colocated" else 0) if gpu else torch.device("cpu")
     if trainer:
-        weights = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in shapes}
+        weights = {n: torch.randn(s, dtype=torch.bfloat16, device=device) for n, s in shapes}
     else:
-        weights = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes}
-    engine = CheckpointEngineRegistry.new(backend, role="trainer" if trainer else "rollout", timeout=120)
+        weights = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes}
+    engine = CheckpointEngineRegistry.new(backend, role="trainer" if trainer else "rollout", timeout=120,
+                                          device=device)
     if not trainer:
-        engine.set_destinations(weights)
+        if backend == "colocated":
+            engine.set_destinations(weights, direct=direct)
+        else:
+            engine.set_destinations(weights)
     connect(engine, rdv, 1, 1)
     source = ModuleSource(weights) if trainer else None
+    sink = ModuleSink(weights) if not trainer else None
 
     def update() -> None:
         if trainer:
             asyncio.run(engine.send_weights(source))
         else:
-            asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
+            asyncio.run(sink.load(engine.receive_weights()))
+        if gpu:
+            torch.cuda.synchronize()
 
     for _ in range(2):
         rdv.all_gather(None)
@@ -65,6 +76,8 @@ def main() -> None:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--tensors", type=int, default=100000)
     ap.add_argument("--tensor-bytes", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--direct", action="store_true", help="colocated: direct mode (GPU)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     preset = a.preset or presets.stress(a.tensors, a.tensor_bytes)
@@ -73,7 +86,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    for text in spawn(worker, 2, (a.backend, preset, port, a.top), timeout=600):
+    for text in spawn(worker, 2, (a.backend, preset, a.layers, a.direct, port, a.top), timeout=600):
         print(text)
     del store
 

@@ -10,9 +10,10 @@ per-bucket work adds none. Counts, never times: this runs the same on any machin
 from __future__ import annotations
 
 import pytest
+import torch
+from workers_hotpath import update_counts
 
 from weightbus.runtime.local import spawn
-from workers_hotpath import update_counts
 
 FEW, MANY = 1000, 4000  # tensors, for the same bytes
 BYTES = 4 << 20  # the model's bytes: the same buckets for both
@@ -22,7 +23,10 @@ BUCKET = 1 << 20
 PER_TENSOR = 0.05
 
 
-@pytest.mark.parametrize("backend", ["gloo", "colocated"])
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "colocated", pytest.param("colocated-direct", marks=GPU)])
 def test_update_work_grows_with_buckets_not_tensors(backend, port):
     few = spawn(update_counts, 2, (backend, FEW, BYTES // FEW, BUCKET, port), timeout=120)
     import torch.distributed as dist  # a second store: the first one's keys are used

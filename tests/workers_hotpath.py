@@ -62,12 +62,17 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
     n = tensor_bytes // 2
     g = torch.Generator().manual_seed(0)
+    name, _, mode = backend.partition("-")  # colocated-direct: the GPU's direct mode
+    device = torch.device("cuda", 0) if mode == "direct" else torch.device("cpu")
     weights = {f"layers.{i}.w": (torch.randn(n, generator=g) if trainer else torch.zeros(n)).bfloat16()
-               for i in range(tensors)}
-    engine = CheckpointEngineRegistry.new(backend, role="trainer" if trainer else "rollout",
-                                          bucket_size=bucket, timeout=60)
+               .to(device) for i in range(tensors)}
+    engine = CheckpointEngineRegistry.new(name, role="trainer" if trainer else "rollout",
+                                          bucket_size=bucket, timeout=60, device=device)
     if not trainer:
-        engine.set_destinations(weights)
+        if mode == "direct":
+            engine.set_destinations(weights, direct=True)
+        else:
+            engine.set_destinations(weights)
     connect(engine, rdv, 1, 1)
     source = ModuleSource(weights) if trainer else None
 
@@ -89,7 +94,7 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
         else:
             update()
     out["buckets"] = engine.last_stats.buckets  # type: ignore[union-attr]
-    flat = torch.cat([t.view(torch.int16).to(torch.int64) for t in weights.values()])
+    flat = torch.cat([t.view(torch.int16).to(torch.int64).cpu() for t in weights.values()])
     out["sum"] = int(flat.sum())
     engine.finalize(destroy_group=True)
     return out

@@ -83,6 +83,7 @@ class ColocatedEngine(BucketEngine):
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
         self._direct_items: tuple[Manifest, dict, list] | None = None
+        self._misfit_of: tuple[Manifest, str | None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -259,6 +260,7 @@ class ColocatedEngine(BucketEngine):
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
         self._direct_items: tuple[Manifest, dict, list] | None = None
+        self._misfit_of: tuple[Manifest, str | None] | None = None
         self._works, self._ready, self._acked = [], {}, 0
 
     def finalize(self, destroy_group: bool = False) -> None:
@@ -392,10 +394,9 @@ class ColocatedEngine(BucketEngine):
                   error: str | None) -> tuple[str | None, int, int]:
         if not self._direct:
             return super()._transfer(manifest, stream, version, error)
-        for targets in self._targets:
-            why = self._misfit(manifest, targets)
-            if why and error is None:
-                error = f"{self.where()}: direct mode: {why}"
+        why = self._direct_misfit(manifest)
+        if why and error is None:
+            error = f"{self.where()}: direct mode: {why}"
         held = None
         if stream is not None and error is None:
             try:
@@ -453,6 +454,16 @@ class ColocatedEngine(BucketEngine):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
+
+    def _direct_misfit(self, manifest: Manifest) -> str | None:
+        """Why ``manifest`` cannot be written into the paired rollout ranks' tensors (None if
+        it can): worked out once per manifest and membership (a look at every tensor, which
+        an MoE model of thousands would otherwise pay at every update)."""
+        known = self._misfit_of
+        if known is None or known[0] is not manifest:
+            why = next((w for w in (self._misfit(manifest, t) for t in self._targets) if w), None)
+            known = self._misfit_of = (manifest, why)
+        return known[1]
 
     def _direct_copies(self, manifest: Manifest) -> buffers.CopyList:
         """Direct mode: every paired rollout rank's tensors, in manifest order (made once
