@@ -12,7 +12,6 @@ gloo / shared memory; the same code runs on a GPU).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import io
 import pstats
@@ -20,7 +19,8 @@ import time
 
 import torch
 
-from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, presets
+from weightbus import CheckpointEngineRegistry, ModuleSource, presets
+from weightbus.bench import _update_fn
 from weightbus.runtime.local import Rendezvous, connect, spawn
 
 
@@ -43,14 +43,10 @@ def worker(rank: int, backend: str, preset: str, layers: int | None, direct: boo
         else:
             engine.set_destinations(weights)
     connect(engine, rdv, 1, 1)
-    source = ModuleSource(weights) if trainer else None
-    sink = ModuleSink(weights) if not trainer else None
+    one = _update_fn(engine, ModuleSource(weights) if trainer else None, weights)  # (the bench's)
 
     def update() -> None:
-        if trainer:
-            asyncio.run(engine.send_weights(source))
-        else:
-            asyncio.run(sink.load(engine.receive_weights()))
+        one()
         if gpu:
             torch.cuda.synchronize()
 

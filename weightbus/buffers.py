@@ -270,9 +270,10 @@ class _HostCopy:
     ~10.
 
     The destinations' addresses and sizes are tabled once. The sources' addresses are read
-    per call (in C-level passes); the sources are checked (host, contiguous, the
+    when tabled (:meth:`table`, in C-level passes; per call for sources that may change,
+    once for fixed ones); the sources are checked (host, contiguous, the
     destination's dtype and shape) only when they are not the very tensors at the very
-    addresses of the last call. The last sources are held, so their memory cannot be
+    addresses tabled last. The last sources are held, so their memory cannot be
     freed and reused under an address seen again."""
 
     def __init__(self, lib: Any, dsts: list[torch.Tensor]):
@@ -282,21 +283,14 @@ class _HostCopy:
         self._sizes = np.fromiter(map(_nbytes, dsts), np.int64, len(dsts))
         self._srcs: list[torch.Tensor] | None = None
         self._src = self._dst[:0]
-        #: the sources were given once and checked: :meth:`run` with None reuses them
-        self.fixed = False
 
     @staticmethod
     def usable(dsts: list[torch.Tensor]) -> bool:
         return bool(dsts) and all(d.device.type == "cpu" and d.is_contiguous() for d in dsts)
 
-    def run(self, srcs: list[torch.Tensor] | None) -> bool:
-        """Copy if every source fits its destination byte for byte; False (nothing copied)
-        otherwise. ``None``: the sources of the last call, as they were (fixed sources, such
-        as views of a bucket slot, are read and checked once)."""
-        if srcs is None and self._srcs is not None:
-            self._copy(self._src)
-            return True
-        assert srcs is not None
+    def table(self, srcs: list[torch.Tensor]) -> bool:
+        """Table the sources' addresses for :meth:`copy`; False (nothing tabled) unless
+        every source fits its destination byte for byte."""
         src = np.fromiter(map(_data_ptr, srcs), np.int64, len(srcs))
         last = self._srcs
         if last is None or not np.array_equal(src, self._src) or not all(map(operator.is_, srcs, last)):
@@ -304,12 +298,21 @@ class _HostCopy:
             if not all(s.device.type == "cpu" and s.is_contiguous() and s.dtype == d.dtype
                        and s.shape == d.shape for s, d in zip(srcs, self._dsts, strict=True)):
                 return False
-            self._srcs, self._src = list(srcs), src
-        self._copy(src)
+            self._srcs = list(srcs)
+        self._src = src
         return True
 
-    def _copy(self, src: np.ndarray) -> None:
-        self._lib.wb_copy_list(len(src), self._dst.ctypes.data, src.ctypes.data, self._sizes.ctypes.data)
+    def copy(self) -> None:
+        """Copy from the sources last tabled."""
+        self._lib.wb_copy_list(len(self._src), self._dst.ctypes.data, self._src.ctypes.data,
+                               self._sizes.ctypes.data)
+
+    def run(self, srcs: list[torch.Tensor]) -> bool:
+        """:meth:`table`, then :meth:`copy` where it succeeded."""
+        if not self.table(srcs):
+            return False
+        self.copy()
+        return True
 
 
 class CopyList:
@@ -331,24 +334,28 @@ class CopyList:
         lib = native.copy_library() if _HostCopy.usable(self.small_dsts) else None
         self._host = _HostCopy(lib, self.small_dsts) if lib is not None else None
         self._fixed_small = self._small_srcs(srcs) if srcs is not None else None
+        # fixed sources (a slot's views) are read and checked once, here
+        self._fixed_host = self._host is not None and self._fixed_small is not None \
+            and self._host.table(self._fixed_small)
 
     def _small_srcs(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
         return srcs if self.small is None else [srcs[i] for i in self.small]
 
     def run(self, srcs: list[torch.Tensor] | None = None, names: Callable[[int], str] | None = None) -> None:
-        if srcs is None:  # the fixed sources: on the CPU, their addresses were read once
-            srcs = self.srcs
-            assert srcs is not None, "a CopyList made without sources needs them per call"
-            small_srcs = self._fixed_small
-            host_srcs = None if self._host is not None and self._host.fixed else small_srcs
-        else:
-            small_srcs = host_srcs = self._small_srcs(srcs)
         small = self.small
-        if self._host is None or not self._host.run(host_srcs):
+        # (a list with fixed sources has them tabled for its host copies: no others)
+        assert (srcs is None) == (self.srcs is not None), "fixed sources, or sources per call, not both"
+        if srcs is None:  # the fixed sources
+            srcs, small_srcs = self.srcs, self._fixed_small
+            done = self._fixed_host
+            if done:
+                self._host.copy()  # type: ignore[union-attr]
+        else:
+            small_srcs = self._small_srcs(srcs)
+            done = self._host is not None and self._host.run(small_srcs)
+        if not done:
             copy_group(self.small_dsts, small_srcs,  # type: ignore[arg-type]
                        (lambda k: names(small[k])) if names is not None and small is not None else names)
-        elif host_srcs is not None and self.srcs is not None:
-            self._host.fixed = True  # checked once against the fixed sources: not again
         for i in self.large:
             try:
                 self.dsts[i].copy_(srcs[i], non_blocking=True)
