@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from rl_workers import Rollout, Trainer  # noqa: E402
 
 from weightbus import ModuleSink  # noqa: E402
+from weightbus.sinks import LoadReport  # noqa: E402
 
 
 class _Trap(ModuleSink):
@@ -94,6 +95,38 @@ class SinkRaises(Rollout):
 
     def weights_sink(self):
         return _RaiseOn(self.model, self.name)
+
+
+class _RaisesMidStream(ModuleSink):
+    """A sink of a user's own that reads tensor by tensor, raises partway (at update ``at``)
+    and leaves the stream open, as a plain ``async for`` does."""
+
+    def __init__(self, module, at, version):
+        super().__init__(module)
+        self.at, self.version = at, version
+
+    async def load(self, stream):
+        report, seen = LoadReport(), set()
+        async for name, t in stream:
+            if self.version == self.at and len(seen) == 5:
+                raise RuntimeError("sink broke mid-stream (injected)")
+            self._load_one(name, t, report, seen)
+        return self._close(report, seen, 0)
+
+
+class SinkRaisesMidStream(Rollout):
+    """Its own sink raises partway through update ``at`` without closing the stream."""
+
+    def __init__(self, rank, world, at):
+        super().__init__(rank, world)
+        self.at, self.receiving = at, None
+
+    async def wb_receive(self, version):
+        self.receiving = version
+        return await super().wb_receive(version)
+
+    def weights_sink(self):
+        return _RaisesMidStream(self.model, self.at, self.receiving)
 
 
 class SourceRaises(Trainer):

@@ -79,6 +79,12 @@ CASES = [
     ("timeout-str", lambda: _engine(timeout="10"), WeightbusError, "timeout must be a number of seconds"),
     ("timeout-bool", lambda: _engine(timeout=True), WeightbusError, "timeout must be a number of seconds"),
     ("manager-timeout", lambda: CheckpointEngineManager("gloo", None, timeout=-1), WeightbusError, "timeout"),
+    ("misspelled-option", lambda: _engine(bucket_sise=1 << 20), WeightbusError,
+     "backend 'gloo' takes no option 'bucket_sise'; did you mean 'bucket_size'\\?"),
+    ("manager-misspelled-option", lambda: CheckpointEngineManager("nixl", None, topolgy="tree"), WeightbusError,
+     "backend 'nixl' takes no option 'topolgy'; did you mean 'topology'"),
+    ("option-of-another-backend", lambda: CheckpointEngineRegistry.new("gloo", replica_size=2), WeightbusError,
+     "backend 'gloo' takes no option 'replica_size'; its options: bucket_size"),
     ("role", lambda: _engine(role="server"), WeightbusError, "role must be 'trainer' or 'rollout'"),
     ("device", lambda: _engine(device="gpu0"), WeightbusError, "device='gpu0' is not a device"),
     ("nccl-on-cpu", lambda: CheckpointEngineRegistry.new("nccl", device="cpu"), WeightbusError, "needs a CUDA device"),
@@ -98,6 +104,14 @@ CASES = [
      "disagree on num_buffers"),
     ("ranks-disagree-alignment", lambda: agree_buffers(1, [_meta(), _meta(alignment=128)]), WeightbusError,
      "alignment.*same weightbus version"),
+    ("ranks-disagree-delta", lambda: agree_buffers(1, [_meta() | {"delta": True}, _meta() | {"delta": False}]),
+     WeightbusError, "disagree on delta: trainer rank 0 has True, rollout rank 0 has False; give every rank the same"),
+    ("colocated-disagree-buffers", lambda: ColocatedEngine.build_topology(
+        1, 1, [{"slots": [], "host": "h", **_meta(num_buffers=2)}, {"host": "h", **_meta(num_buffers=3)}]),
+     WeightbusError, "disagree on num_buffers: trainer rank 0 has 2, rollout rank 0 has 3"),
+    ("verify-every-negative", lambda: _engine(delta=True, verify_every=-1), WeightbusError,
+     "verify_every must be a whole number of updates >= 0"),
+    ("verify-every-float", lambda: _engine(delta=True, verify_every=0.5), WeightbusError, "verify_every must be"),
     # --- manifests, names and tensors
     ("empty-model", lambda: BucketPlan(Manifest([]), 1 << 20), WeightbusError, "empty weight stream"),
     ("empty-name", lambda: Manifest.from_tensors([("", torch.ones(1))]), WeightbusError, "non-empty strings, got ''"),
@@ -132,6 +146,10 @@ CASES = [
     ("send-before-init", lambda: asyncio.run(_engine(role="trainer").send_weights([("a", torch.ones(1))])),
      WeightbusError, "no group; call prepare\\(\\) and init_process_group\\(\\) first"),
     ("receive-before-init", lambda: _drain(_engine(role="rollout")), WeightbusError, "no group"),
+    ("colocated-receive-before-init", lambda: _drain(ColocatedEngine(role="rollout", timeout=30)), WeightbusError,
+     r"no group: call prepare\(\) and init_process_group\(\) first"),
+    ("colocated-send-before-init", lambda: asyncio.run(ColocatedEngine(role="trainer", timeout=30).send_weights(
+        [("a", torch.ones(1))])), WeightbusError, "no group: call prepare"),
     ("receive-on-trainer", lambda: _drain(_engine_ready()), WeightbusError, "only a rollout rank may call receive"),
     # --- sinks
     ("sink-shape", lambda: ModuleSink({"a": torch.zeros(2)}).load_iter([("a", torch.zeros(3))]), WeightbusError,
@@ -396,3 +414,14 @@ def test_bench_delta_arguments_checked():
         BenchConfig(delta=2.0, gpu=False)
     with pytest.raises(ValueError, match="delta= applies to the disaggregated scenario"):
         BenchConfig(scenario="colocated", delta=0.02, gpu=False)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("num_buffers", "disagree on num_buffers: trainer rank 0 has 2, rollout rank 0 has 3"),
+    ("delta", "disagree on delta: trainer rank 0 has True, rollout rank 0 has False"),
+])
+def test_misconfigured_peers_fail_as_the_group_forms(port, case, match):
+    """Not at the deadline (30 s) of the first update: every rank, at once, naming both."""
+    for out in spawn(workers.colocated_misconfigured, 2, (port, case), timeout=120):
+        assert match in out["error"], out
+        assert out["seconds"] < 10, out

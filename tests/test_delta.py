@@ -476,3 +476,20 @@ def test_gpu_block_layout_sums_each_piece_in_element_order():
     layouts.get(sizes + 1, torch.device("cpu"))
     layouts.get(sizes + 2, torch.device("cpu"))  # (past its bytes: the others dropped)
     assert layouts.nbytes <= 2 * lay.nbytes and layouts.get(sizes, torch.device("cpu")) is not a
+
+
+def test_whole_digests_agree_either_way(path):
+    """The running check of a whole destination (a kernel row that reads, never writes):
+    every path sums ``w(i) * x[i]`` over the bit patterns the same way, a changed element
+    anywhere changes its tensor's digest, and nothing is written."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(300, 7), (5,), (4099,), (1,), (0,)]
+    tensors = [(torch.randn(s, generator=g) * 20).to(dt).view(-1) for s in shapes for dt in DTYPES]
+    want = torch.stack([dm._weighted_range(0, dm._bits(t).long()) for t in tensors])
+    before = [t.clone() for t in tensors]
+    got = dm.digests(tensors)
+    assert torch.equal(got, want)
+    assert all(torch.equal(dm._bits(a), dm._bits(b)) for a, b in zip(tensors, before, strict=True))
+    dm._bits(tensors[9])[4000] ^= 1  # one bit of one element
+    changed = (dm.digests(tensors) != got).nonzero().squeeze(1).tolist()
+    assert changed == [9]

@@ -68,8 +68,12 @@ def test_bad_inputs_fail_everywhere_and_group_survives(port):
     T, R = 2, 2
     logs = spawn(workers.bad_inputs, T + R, (T, R, port), timeout=240)
     for rank, log in enumerate(logs):
-        for good in ("good1", "good2", "good3", "good4", "good5", "good6"):
+        for good in ("good1", "good2", "good3", "good4", "good5", "good6", "good7"):
             assert "ok" in log[good], (rank, good, log[good])
+        assert "version must be in [0, 9223372036854775807], got 9223372036854775808" \
+            in log["overflow"]["error"]
+        assert log["overflow"]["seconds"] < 10  # every rank told at once
+        assert ("ConfigError" if rank < T else "aborted before any data moved") in log["overflow"]["error"]
         assert "duplicate tensor name 'a'" in log["duplicate"]["error"]
         assert "proj.weight" in log["trainers_disagree"]["error"]
         assert f"trainer rank {T - 1}" in log["trainers_disagree"]["error"]
@@ -176,8 +180,9 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
     bitwise equal to the trainer; at lr 1e-6 a quarter of the dense bytes is plenty (the
     changes go as positions or bitmaps + values), at 1e-3 most elements change and the
     records go dense. FSDP2 trainers diff their own shards: no tensor is gathered. A failed
-    update, and a corrupted patch (caught by the digest, naming the tensor), are followed
-    by a full update, then deltas again. Every update goes in rounds (the next diffed while
+    update, a corrupted patch (caught by the digest, naming the tensor), and a rollout whose
+    copy changed where no patch touches it (caught by the running digest of every tensor),
+    are each followed by a full update, then deltas again. Every update goes in rounds (the next diffed while
     one moves)."""
     updates = 10 if lr == 1e-6 and T == 1 and backend == "gloo" else 4
     logs = spawn(workers.delta_updates, T + R, (T, R, port, free_port, lr, updates, backend), timeout=240)
@@ -188,17 +193,19 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
         sent = sum(t[k].get("ok", 0) for t in trainers)  # every trainer rank sends its own share
         dense = trainers[0][k]["dense"]
         assert all(t[k]["gathers"] == 0 for t in trainers), (k, kind)  # no rank gathered a tensor
-        if kind in ("delta", "after_failure", "after_corrupt"):
+        if kind in ("delta", "after_failure", "after_corrupt", "after_drift"):
             assert all("ok" in t[k] for t in trainers), (k, trainers[0][k])
             for r in rollouts:
                 assert r[k]["digest"] == trainers[0][k]["digest"], (k, kind)  # bitwise
                 # (linked engines' replicas fail alone: the others complete a failed update,
                 # and versions go on from it)
-                failed = kinds[:k].count("corrupt") + kinds[:k].count("consumer_stops")
+                failed = sum(kinds[:k].count(x) for x in ("corrupt", "consumer_stops", "drift"))
                 failed = 0 if backend in ("mooncake", "nixl") else failed
                 assert r[k]["version"] == k + 1 - failed
             full = k == 0 or kind != "delta"
             assert all(t[k]["full"] == full for t in trainers + rollouts), (k, kind)
+            # UpdateStats.delta says the same
+            assert all(t[k]["went"] is (not full) for t in trainers + rollouts), (k, kind)
             if full:
                 assert dense <= sent <= dense * 1.05  # every element, each from the rank that holds it
             elif lr == 1e-6:
@@ -212,3 +219,9 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
             assert all("error" in t[k] for t in trainers)
         elif kind == "consumer_stops":
             assert all("error" in t[k] for t in trainers)
+        elif kind == "drift":  # nothing changed, one rollout's copy did: named, resent whole next
+            for r in [*rollouts, *trainers]:
+                assert "copy of 'blocks.1.linear1.weight' no longer holds what the trainer sent" \
+                    in r[k]["error"]
+                assert "the next update is sent whole" in r[k]["error"]
+            assert all(r[k]["version"] is None for r in rollouts)

@@ -19,7 +19,7 @@ import mgr_workers
 import pytest
 import torch.multiprocessing as mp
 import workers_faults
-from mgr_workers import PauseFails, ResumeFails, SinkRaises, SourceRaises
+from mgr_workers import PauseFails, ResumeFails, SinkRaises, SinkRaisesMidStream, SourceRaises
 from rl_workers import Rollout
 
 from weightbus import UpdateFailed, buffers
@@ -244,6 +244,23 @@ def test_manager_resumes_healthy_replicas_whatever_fails():
             mgr.update_weights(version=8)
         assert paused() == [False, False] and info.value.versions == {"healthy": 8, "resume-raises": 8}
         assert info.value.resumed == ["healthy"] and same()
+        mgr.remove_replicas([bad])
+        bad.shutdown(timeout=1)
+        # 9: a replica's own sink raises mid-stream and leaves the stream open: every rank
+        # hears why at once (not the trainer at its deadline), and the next update
+        # recovers that replica (it is not left with an update still open)
+        bad = LocalWorkerGroup(SinkRaisesMidStream, 1, 9, name="sink-mid")
+        groups.append(bad)
+        mgr.add_replicas([bad])
+        call(trainer, "train_step", 9, timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed, match="trainer rank 0 raised.*rollout rank .*sink broke mid-stream"):
+            mgr.update_weights(version=9)
+        assert time.monotonic() - t0 < timeout / 2
+        mgr.update_weights(version=10)
+        want = call(trainer, "weights_digest", timeout=10)[0]
+        assert call(bad, "weights_digest", timeout=10) == [want]
+        assert mgr.versions() == {"healthy": 10, "sink-mid": 10}
     finally:
         for g in groups:
             g.shutdown(timeout=2)

@@ -84,9 +84,12 @@ def _receive(engine, expected: Manifest | None = None, stop_after: int | None = 
                 if stop_after is not None:
                     break  # closes the stream: the update must fail on every rank
             return got
+        if stop_after is None:  # a consumer that keeps every tensor, as dict(stream) does
+            held = {name: t async for name, t in stream}
+            return {name: digest(t) for name, t in held.items()}
         async for name, t in stream:
             got[name] = digest(t)
-            if stop_after is not None and len(got) >= stop_after:
+            if len(got) >= stop_after:
                 await stream.aclose()
                 break
         return got
@@ -208,6 +211,20 @@ def bad_inputs(rank: int, T: int, R: int, port: int):
     # a plain dict (not a source, not pairs): every rank hears it at once, with the fix
     step("plain_dict", lambda r: dict(model.state_dict()))
     step("good6", lambda r: good)
+    # a version past what the header's 64-bit word holds: refused on the trainers, and the
+    # rollouts hear why in the header (not a broken header at their deadline)
+    rdv.all_gather(None)
+    t0 = time.monotonic()
+    if is_trainer:
+        try:
+            _send(engine, good, version=1 << 63)
+            log["overflow"] = {"ok": True}
+        except Exception as e:  # noqa: BLE001
+            log["overflow"] = {"error": f"{type(e).__name__}: {e}"}
+    else:
+        log["overflow"] = _outcome(lambda: _receive(engine))
+    log["overflow"]["seconds"] = time.monotonic() - t0
+    step("good7", lambda r: good)
     return log
 
 
@@ -554,7 +571,8 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
 
     def one(kind: str, corrupt: bool = False) -> dict:
         if is_trainer:
-            step(len(log) + 1)
+            if kind != "drift":  # (a drift update changes nothing: no patch touches the drifted element)
+                step(len(log) + 1)
             want = expected()
             before, rounds[0] = gathers[0], 0
             source = ModuleSource(model, dtype=torch.bfloat16)
@@ -578,16 +596,19 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
             if corrupt and rank == 0:
                 dm._buckets = orig
             out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
-                       full=engine.last_full, rounds=rounds[0])
+                       full=engine.last_full, rounds=rounds[0], went=getattr(engine.last_stats, "delta", "?"))
         else:
             rdv.all_gather(None)
             stop = 1 if kind == "consumer_stops" and rank == T else None
+            if kind == "drift" and rank == T:  # this rank's copy changes where no patch goes
+                flat = model.state_dict()["blocks.1.linear1.weight"].view(-1)
+                flat.view(torch.int16)[77] ^= 1
             if stop:
                 out = _outcome(lambda: _receive(engine, stop_after=1))
             else:
                 out = _outcome(lambda: asyncio.run(ModuleSink(model).load(engine.receive_weights())).loaded)
             out.update(kind=kind, digest=_state_digest(model.state_dict()), version=engine.version,
-                       full=engine.last_full)
+                       full=engine.last_full, went=getattr(engine.last_stats, "delta", "?"))
         log.append(out)
         return out
 
@@ -599,6 +620,9 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     one("corrupt", corrupt=True)
     one("after_corrupt")
     one("delta")
+    if backend == "gloo":  # (one control group: every rank fails together; the check is the same code)
+        one("drift")
+        one("after_drift")
     engine.finalize(destroy_group=True)
     return log
 
@@ -609,3 +633,26 @@ def _state_digest(sd: dict) -> str:
     for n, t in sd.items():
         h.update(f"{n}={digest(t)};".encode())
     return h.hexdigest()[:24]
+
+
+def colocated_misconfigured(rank: int, port: int, case: str):
+    """Two processes of one host whose colocated engines disagree (``num_buffers`` 2 and 3,
+    or delta on one side of a gloo pair): every rank raises as the group forms, at once."""
+    t0 = time.monotonic()
+    trainer = rank == 0
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    if case == "num_buffers":
+        engine = CheckpointEngineRegistry.new("colocated", role="trainer" if trainer else "rollout",
+                                              num_buffers=2 if trainer else 3, bucket_size=1 << 16,
+                                              timeout=30)
+    else:
+        engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout", delta=trainer,
+                                              bucket_size=1 << 16, timeout=30)
+    try:
+        connect(engine, rdv, 1, 1)
+        out = {"ok": True}
+    except Exception as e:  # noqa: BLE001
+        out = {"error": f"{type(e).__name__}: {e}"}
+    out["seconds"] = time.monotonic() - t0
+    engine.finalize(destroy_group=True)
+    return out

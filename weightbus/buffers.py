@@ -436,6 +436,12 @@ class Packer:
         self._flat = (None, None)
 
 
+class Lent(list):  # type: ignore[type-arg]
+    """A batch of ``(name, tensor)`` some of whose tensors are views of a bucket slot, which
+    the engine fills again once the next batch is asked for (``WeightStream`` copies out
+    those its consumer still holds then)."""
+
+
 class _UnpackProgram:
     """What unpacking one bucket from one slot takes, worked out once: the copies into
     destinations (fixed pairs of views), and what to yield, in chunk order: a view or a
@@ -449,6 +455,7 @@ class _UnpackProgram:
         self.srcs: list[torch.Tensor] = []
         self.items: list[tuple[str, torch.Tensor] | None] = []
         self.pieces: list[tuple[Chunk, torch.Tensor]] = []
+        lends = False
         for c in b.chunks:
             m = metas[c.index]
             view = chunk_view(slot, c, m)
@@ -467,12 +474,16 @@ class _UnpackProgram:
                 self.items.append((m.name, torch.empty(m.shape, dtype=m.dtype, device=device)))
             elif c.nbytes == m.nbytes:
                 self.items.append((m.name, view))
+                lends = True
             else:
                 self.pieces.append((c, view))
                 if last:
                     self.items.append(None)
         self.copies = CopyList(dsts, self.srcs)  # (the slot's views: fixed)
         self.static = not self.pieces
+        self.lends = lends  # (a batch of these items holds views of the slot)
+        if lends:
+            self.items = Lent(self.items)
 
 
 class Assembler:
@@ -516,7 +527,7 @@ class Assembler:
         if prog.static:
             prog.copies.run()
             return prog.items  # type: ignore[return-value]
-        return list(self.unpack(bucket, b))
+        return (Lent if prog.lends else list)(self.unpack(bucket, b))
 
     def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         prog = self._program(bucket, b)

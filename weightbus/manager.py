@@ -76,6 +76,7 @@ class CheckpointEngineManager:
                  timeout: float | None = None, pause_mode: str = "abort", hybrid: bool = False,
                  registry: str | None = None, **engine_kwargs: Any):
         self.engine_cls = CheckpointEngineRegistry.get(backend)  # unknown names fail here
+        CheckpointEngineRegistry.check_options(backend, engine_kwargs)  # and misspelled options
         self.backend = backend
         self.trainer = trainer
         self.replicas: list[WorkerGroup] = []

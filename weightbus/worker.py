@@ -8,6 +8,7 @@ Everything named ``wb_*`` is called by :class:`weightbus.manager.CheckpointEngin
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -130,9 +131,15 @@ class WeightbusWorker(EngineHost):
         sink = self.weights_sink()
         if getattr(engine, "delta", False) and engine._dest is None:
             engine.set_destinations(sink.targets)  # delta mode patches in place
+        stream = engine.receive_weights()
         try:
-            report = await sink.load(engine.receive_weights())
-        except BaseException:
+            report = await sink.load(stream)
+        except BaseException as e:
+            # a sink that raised without closing the stream would leave the update open on
+            # this rank: the others would wait out their deadline, and the next update would
+            # find this one still under way. Closed, it ends now on every rank, naming e.
+            with contextlib.suppress(Exception):
+                await stream.fail(e)
             # untouched (the update failed before a byte was written): the old version
             # stands; otherwise this worker holds no whole version
             held = engine.version

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 
 from weightbus import buffers, config
-from weightbus.errors import PlanError, WeightbusError, WeightSyncError
+from weightbus.errors import ConfigError, PlanError, WeightbusError, WeightSyncError
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Manifest
 
 Role = Literal["trainer", "rollout"]
@@ -67,12 +70,16 @@ Completion = Callable[[], None]
 class UpdateStats:
     """What one update moved and how long it took, on one rank."""
 
-    version: int
-    tensors: int
-    bytes: int  # payload bytes delivered (wire dtype)
+    version: int  # the version every rank now holds
+    tensors: int  # tensors in the update (its manifest)
+    bytes: int  # payload bytes delivered (wire dtype): the whole model, delta or not
     wire_bytes: int  # bytes that crossed the link on this rank's buckets, trailers included
-    seconds: float
-    buckets: int
+    seconds: float  # from the call to the agreed outcome, on this rank
+    buckets: int  # buckets this update took (a delta update: those of its records)
+    #: delta mode (``delta=True``): True when the update went as the changes since the
+    #: version the receivers held, False when it went whole (the first update, a resync
+    #: after a failure or a drift, a receiver that held another version); None: not delta mode
+    delta: bool | None = None
 
     @property
     def gbps(self) -> float:
@@ -93,13 +100,22 @@ class WeightStream:
     a model of 100k small tensors the per-tensor step costs more than the bytes.
 
     Read it one way, to the end, or close it (``aclose``, or ``contextlib.aclosing``): an
-    update is complete only when its consumer has taken every tensor. A tensor that is a
-    view of a bucket is valid until the next item (or batch) is asked for.
+    update is complete only when its consumer has taken every tensor.
+
+    Read item by item, every tensor stays valid as long as the consumer holds it
+    (``{n: t async for n, t in stream}`` holds the whole model): a tensor that is a view of
+    a bucket the engine is about to fill again is copied out at that moment if the consumer
+    still holds it (a reference count; at most the last tensor of each bucket, held by the
+    loop's own variable, is copied without need). In :meth:`batches`, which copies nothing,
+    a bucket's tensors are valid until the next batch is asked for.
     """
 
     def __init__(self, batches: Iterator[Batch] | AsyncIterator[Batch]):
         self._batches = batches
         self._items: Iterator[tuple[str, torch.Tensor]] = iter(())
+        self._lent: list[torch.Tensor] | None = None  # the aliases handed out of a Lent batch
+        #: why the consumer gave up, where it said so (:meth:`fail`): every rank hears it
+        self.failure: str | None = None
 
     def __aiter__(self) -> WeightStream:
         return self
@@ -107,8 +123,27 @@ class WeightStream:
     async def __anext__(self) -> tuple[str, torch.Tensor]:
         while True:
             for item in self._items:
-                return item
-            self._items = iter(await self._next_batch())
+                if self._lent is None:
+                    return item
+                alias = item[1].view(item[1].shape)  # (its own object: whether the consumer holds it shows)
+                self._lent.append(alias)
+                return item[0], alias
+            self._keep_held()
+            batch = await self._next_batch()
+            self._lent = [] if isinstance(batch, buffers.Lent) else None
+            self._items = iter(batch)
+
+    def _keep_held(self) -> None:
+        """Before the engine fills the last batch's slot again: the tensors the consumer
+        still holds (a reference besides the list's, the loop's and ``getrefcount``'s) get a
+        copy of their bytes of their own, in place (the consumer's objects stay the same)."""
+        lent, self._lent = self._lent, None
+        if not lent:
+            return
+        with torch.no_grad():
+            for alias in lent:
+                if sys.getrefcount(alias) > 3:
+                    alias.set_(alias.clone())
 
     async def _next_batch(self) -> Batch:
         if isinstance(self._batches, AsyncIterator):
@@ -129,8 +164,18 @@ class WeightStream:
                 except StopAsyncIteration:
                     return
                 yield batch
+        except BaseException as e:
+            self.failure = self.failure or _why(e)
+            raise
         finally:
             await self.aclose()
+
+    async def fail(self, error: BaseException) -> None:
+        """Stop reading because of ``error`` (the consumer's own failure): the update fails
+        on every rank now, each naming ``error``, instead of the others waiting out their
+        deadline for a consumer that is gone."""
+        self.failure = self.failure or _why(error)
+        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop reading: an update not read to the end fails on every rank."""
@@ -142,6 +187,10 @@ class WeightStream:
             close = getattr(self._batches, "close", None)
             if close is not None:
                 close()
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
 
 
 class CheckpointEngine(ABC):
@@ -249,13 +298,14 @@ class CheckpointEngine(ABC):
     def _next_version(self, version: Any) -> int:
         """The version a send carries: the one given (checked), else one more than the last."""
         if version is None:
-            return (self.version or 0) + 1
+            return config.version((self.version or 0) + 1, "the next version (the last one plus 1)")
         return config.version(version)
 
     def buffer_metadata(self) -> dict[str, Any]:
         """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""
         return {"bucket_size": self._bucket_size, "bucket_fit": self.bucket_size,
-                "num_buffers": self.num_buffers, "alignment": ALIGNMENT}
+                "num_buffers": self.num_buffers, "alignment": ALIGNMENT,
+                "delta": getattr(self, "delta", False)}
 
 
 def check_sides(trainer_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> None:
@@ -267,24 +317,26 @@ def check_sides(trainer_world_size: int, rollout_world_size: int, metadata: list
         raise PlanError(f"metadata has {len(metadata)} entries for {T}+{R} ranks")
 
 
-def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]]) -> int:
+def agree_buffers(trainer_world_size: int, metadata: list[dict[str, Any]], *, size: bool = True) -> int:
     """The bucket size every rank of a group uses, from every rank's metadata: the size
     ranks were given explicitly (they must all agree), else the smallest that fits every
-    rank's free memory. Ranks must agree on the number of buffers too. A disagreement is
-    one error naming the ranks and their values (not a shape error on one side and a
-    timeout on the other)."""
+    rank's free memory. Ranks must agree on the number of buffers and on delta mode too
+    (``size=False``: only on those, where one side's slots set the size). A disagreement is
+    one error, raised on every rank as the group forms, naming the ranks and their values
+    (not a shape error on one side and a timeout on the other)."""
     def who(i: int) -> str:
         return f"trainer rank {i}" if i < trainer_world_size else f"rollout rank {i - trainer_world_size}"
 
-    for key in ("bucket_size", "num_buffers", "alignment"):
+    fix = {"alignment": "; run the same weightbus version on every rank",
+           "bucket_size": "; give every rank the same bucket_size (or none: the smallest that fits "
+                          "every rank is then used)",
+           "delta": "; give every rank the same delta= (patches need every rank in delta mode)"}
+    for key in ("bucket_size", "num_buffers", "alignment", "delta")[0 if size else 1:]:
         given = {i: m[key] for i, m in enumerate(metadata) if m.get(key) is not None}
         if len(set(given.values())) > 1:
             raise PlanError(f"the ranks disagree on {key}: "
                             + ", ".join(f"{who(i)} has {v}" for i, v in given.items())
-                            + (f"; give every rank the same {key}" if key != "alignment" else
-                               "; run the same weightbus version on every rank")
-                            + (" (or none: the smallest that fits every rank is then used)"
-                               if key == "bucket_size" else ""))
+                            + fix.get(key, f"; give every rank the same {key}"))
     explicit = [m["bucket_size"] for m in metadata if m.get("bucket_size")]
     if explicit:
         return int(explicit[0])
@@ -338,8 +390,38 @@ class CheckpointEngineRegistry:
                                  f"{', '.join(cls.names())}") from None
 
     @classmethod
+    def options(cls, name: str) -> list[str]:
+        """The keyword arguments backend ``name``'s engine takes (its class's and every
+        base's: engines hand the rest on with ``**kwargs``)."""
+        engine_cls = cls._lookup(name)[0]
+        names: list[str] = []
+        for klass in engine_cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is object:
+                continue
+            for p in inspect.signature(init).parameters.values():
+                named = p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                if named and p.name != "self" and p.name not in names:
+                    names.append(p.name)
+        return names
+
+    @classmethod
+    def check_options(cls, name: str, kwargs: dict[str, Any]) -> None:
+        """Refuse keyword arguments backend ``name`` does not take, naming the closest it
+        does (a misspelled ``bucket_sise`` must not surface as a bare TypeError, or later
+        in a worker process)."""
+        known = cls.options(name)
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(f"backend {name!r} takes no option {key!r}; {hint}its options: "
+                                  f"{', '.join(known)}")
+
+    @classmethod
     def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
         engine_cls, defaults = cls._lookup(name)
+        cls.check_options(name, kwargs)
         engine = engine_cls(**{**defaults, **kwargs})
         engine.backend = name
         return engine

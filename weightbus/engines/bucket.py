@@ -20,6 +20,7 @@ bucket takes (views, copy lists, which tensors) is worked out once per plan and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -42,7 +43,7 @@ from weightbus.engines.api import (
     WeightStream,
 )
 from weightbus.engines.streams import Stream, StreamBroken, fetch, resolve_stream
-from weightbus.errors import PlanError, TransferFailed, WeightSyncError
+from weightbus.errors import ConfigError, PlanError, TransferFailed, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 _log = logging.getLogger("weightbus")
@@ -55,15 +56,23 @@ class BucketEngine(CheckpointEngine):
 
     ``delta=True`` sends each update as the changes since the version the receivers hold,
     diffed on every trainer rank's own piece of each tensor (``weightbus.engines.delta``);
-    receivers then write in place (``set_destinations``)."""
+    receivers then write in place (``set_destinations``). ``verify_every``: in delta mode,
+    a receiver checks every one of its destination tensors against the running digest of
+    what it was sent every this many delta updates (1, the default: every update; one read
+    of the destinations), so a copy that drifted where no patch touched it fails the update,
+    naming the tensors, and is resent whole; 0 never checks."""
 
     #: whether ``delta=True`` works over this engine's transport (one control group)
     supports_delta: ClassVar[bool] = True
 
-    def __init__(self, *args: Any, delta: bool = False, **kwargs: Any):
+    def __init__(self, *args: Any, delta: bool = False, verify_every: int = 1, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if not isinstance(delta, bool):
             raise PlanError(f"delta must be True or False, got {delta!r}")
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise PlanError(f"verify_every must be a whole number of updates >= 0 (0: never check), got "
+                            f"{verify_every!r}")
+        self.verify_every = verify_every
         if delta and not self.supports_delta:
             raise PlanError(f"delta=True is not supported by backend {type(self).__name__}: use gloo, nccl, "
                             f"nixl or mooncake (colocated copies are already at the bulk-copy floor)")
@@ -91,6 +100,7 @@ class BucketEngine(CheckpointEngine):
         self._checked: tuple[Manifest, list[torch.Tensor]] | None = None  # see _held_tensors
         self._assembler_of: buffers.Assembler | None = None
         self._assembler_for: tuple[Any, Any] = (None, None)
+        self._reading: WeightStream | None = None  # the stream receive_weights() last returned
 
     def _begin(self, version: int) -> None:
         """The header is through: an update to ``version`` starts on this rank (engines
@@ -275,7 +285,7 @@ class BucketEngine(CheckpointEngine):
                     yield from items
             except GeneratorExit:
                 closed = True
-                error = f"{self.where()}: the consumer stopped reading; the update is incomplete"
+                error = f"{self.where()}: {self._stopped()}; the update is incomplete"
         self._end_receive(start, version, manifest, error, closed, on_complete, wire, n)
 
     def _end_receive(self, start: float, version: int, manifest: Manifest, error: str | None,
@@ -295,7 +305,7 @@ class BucketEngine(CheckpointEngine):
             raise
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
-                                      time.perf_counter() - start, buckets)
+                                      time.perf_counter() - start, buckets, self._went_delta())
         self._log_update(self.last_stats)
 
     def _outcome(self, error: str | None) -> torch.Tensor:
@@ -321,8 +331,13 @@ class BucketEngine(CheckpointEngine):
     # --- sender ------------------------------------------------------------------------
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
         self._check_ready("trainer")
-        version = self._next_version(version)
         with self._exclusive("send_weights"):
+            try:
+                version = self._next_version(version)
+            except ConfigError as e:  # the receivers hear why at once, not at their deadline
+                with contextlib.suppress(Exception):  # (the header raises here too: ours is the error)
+                    self._exchange_header(0, None, f"{self.where()}: {e}")
+                raise
             return await self._send_update(weights, version)
 
     async def _send_update(self, weights: Weights, version: int) -> UpdateStats:
@@ -352,13 +367,19 @@ class BucketEngine(CheckpointEngine):
         self._finish_settled(version, error)
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
-                                      time.perf_counter() - start, buckets)
+                                      time.perf_counter() - start, buckets, self._went_delta())
         self._log_update(self.last_stats)
         return self.last_stats
 
+    def _went_delta(self) -> bool | None:
+        """What ``UpdateStats.delta`` says of the update just agreed."""
+        return None if not self.delta or self.last_full is None else not self.last_full
+
     def _log_update(self, stats: UpdateStats) -> None:
-        _log.info("%s: version %d: %d tensors, %.1f MB in %.3f s (%.2f GB/s)", self.where(), stats.version,
-                  stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps)
+        how = {None: "", True: f", as changes: {stats.wire_bytes / 1e6:.1f} MB on the wire",
+               False: ", whole (delta mode)"}[stats.delta]
+        _log.info("%s: version %d: %d tensors, %.1f MB in %.3f s (%.2f GB/s)%s", self.where(), stats.version,
+                  stats.tensors, stats.bytes / 1e6, stats.seconds, stats.gbps, how)
 
     def _transfer(self, manifest: Manifest, stream: Stream | None, version: int,
                   error: str | None) -> tuple[str | None, int, int]:
@@ -487,7 +508,13 @@ class BucketEngine(CheckpointEngine):
 
     # --- receiver ----------------------------------------------------------------------
     def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:
-        return WeightStream(self._checked_receive(expected))
+        self._reading = WeightStream(self._checked_receive(expected))
+        return self._reading
+
+    def _stopped(self) -> str:
+        """What the consumer did, for the update's error: stopped, or failed (and why)."""
+        why = getattr(getattr(self, "_reading", None), "failure", None)
+        return f"the consumer stopped reading (it raised {why})" if why else "the consumer stopped reading"
 
     def _checked_receive(self, expected: Manifest | None) -> Iterator[Batch]:
         self._check_ready("rollout")  # when the stream is first read, as a generator would
@@ -510,6 +537,7 @@ class BucketEngine(CheckpointEngine):
         agree on the outcome: if it raises (a post-load check failed), the update fails
         on every rank with its message."""
         self._check_ready("rollout")
+        self._reading = None
         return self._receive_iter(expected, validate, on_release, on_complete)
 
     def _open_receive(self, expected: Manifest | None, validate: Validator | None = None
@@ -567,7 +595,7 @@ class BucketEngine(CheckpointEngine):
                         except GeneratorExit:
                             closed = True
                             first = f" (its first tensor {batch[0][0]!r})" if batch else ""
-                            error = (f"{self.where()}: the consumer stopped reading in bucket {b.index}"
+                            error = (f"{self.where()}: {self._stopped()} in bucket {b.index}"
                                      f"{first}; the update is incomplete")
                 elif error is None and not closed:
                     self.version = None  # from the first byte written on, the old version is gone
@@ -577,7 +605,7 @@ class BucketEngine(CheckpointEngine):
                                 yield item
                             except GeneratorExit:
                                 closed = True
-                                error = (f"{self.where()}: the consumer stopped reading at tensor "
+                                error = (f"{self.where()}: {self._stopped()} at tensor "
                                          f"{item[0]!r} (bucket {b.index}); the update is incomplete")
                                 break
                     except Exception as e:  # noqa: BLE001 - becomes this update's failure, everywhere

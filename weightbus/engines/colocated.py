@@ -41,6 +41,7 @@ from weightbus.engines.api import (
     Validator,
     Weights,
     WeightStream,
+    agree_buffers,
     check_sides,
 )
 from weightbus.engines.bucket import BucketEngine
@@ -63,6 +64,7 @@ class ColocatedEngine(BucketEngine):
     def __init__(self, bucket_size: int | None = None, **kwargs: Any):
         super().__init__(bucket_size, **kwargs)
         self._local = True
+        self._chose_local = False  # init_process_group() was called with no arguments
         self._queue: asyncio.Queue | None = None
         self._queue_loop: asyncio.AbstractEventLoop | None = None
         self._receiver_gone = False
@@ -88,7 +90,7 @@ class ColocatedEngine(BucketEngine):
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         meta = self._store_metadata({"host": socket.gethostname(), "addr": comm.local_address(),
-                                     "device": str(self.device)})
+                                     "device": str(self.device), **self.buffer_metadata()})
         if self.role != "rollout":
             if any(not sb.linked for sb in self._shared):  # unlinked: new members cannot map them
                 self._forget_views()
@@ -162,6 +164,7 @@ class ColocatedEngine(BucketEngine):
         for i in range(T):
             if "slots" not in metadata[i]:
                 raise PlanError(f"metadata[{i}] must come from trainer rank {i} (role='trainer')")
+        agree_buffers(T, metadata, size=False)  # (the trainers' slots set the size)
         members: list[list[int]] = [[r for r in range(R) if r % T == i] for i in range(T)]
         endpoint = lambda m: {k: m[k] for k in ("addr", "port", "token", "slots")}  # noqa: E731
         direct = all("direct" in metadata[T + r] for r in range(R))
@@ -195,7 +198,7 @@ class ColocatedEngine(BucketEngine):
         of all ranks and this rank's pair group."""
         self._reset_group()
         if peer is None or master is None:
-            self._local = True
+            self._local = self._chose_local = True
             return
         assert rank is not None and world_size is not None and pair_rank is not None \
             and pair_size is not None
@@ -273,9 +276,19 @@ class ColocatedEngine(BucketEngine):
             self._store_server = None
 
     # --- in-process pass-through, and trainers without rollout peers --------------------
+    def _check_local(self) -> None:
+        """A rank built for a side (``role=``) with no group yet is waiting for peers that
+        were never joined: say so at once, not after the deadline (the in-process
+        pass-through is for an engine without a role, or one that chose it)."""
+        if self.role is not None and not self._chose_local:
+            raise WeightSyncError(f"{self.where()}: no group: call prepare() and init_process_group() "
+                                  f"first (or init_process_group() with no arguments for the "
+                                  f"in-process pass-through)")
+
     async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
         if not self._local:
             return await super().send_weights(weights, version=version)
+        self._check_local()
         version = self._next_version(version)
         with self._exclusive("send_weights"):
             return await self._send_local(weights, version)
@@ -336,6 +349,7 @@ class ColocatedEngine(BucketEngine):
         return WeightStream(self._receive_local_batches(expected))
 
     async def _receive_local_batches(self, expected: Manifest | None) -> AsyncIterator[list[Any]]:
+        self._check_local()
         with self._exclusive("receive_weights"):
             async for item in self._receive_local(expected):
                 yield [item]

@@ -32,6 +32,15 @@ Per update, after the core's header:
    trainer's snapshot; the receiver computes the same with *its* old values before writing,
    so a corrupt patch, a misplaced one or a receiver whose copy drifted is an error naming
    the tensor and the range, never silent.
+5. **Verify the whole destination.** A patch's digest covers only what it touched: a copy
+   that changed elsewhere (a bit flip, an engine or a user writing a weight) would apply
+   every patch cleanly. Each receiver therefore keeps a running digest of every destination
+   tensor, ``sum(w(i) * x[i])`` over all its elements: computed from the tensor after a
+   full update, moved by every applied record's digest (the digest is linear, so the
+   patches' digests are exactly how far it moves), and checked against a fresh pass over
+   the tensors every ``verify_every`` delta updates (one read of the destinations, by the
+   same kernels). A mismatch names the tensors that drifted and fails the update, after
+   which the receiver holds no version and the next update is sent whole: the resync.
 
 On a host, step 2 and step 4 run as C kernels (:mod:`.cpu`: one pass over memory
 each, on a few threads); on a GPU as Triton kernels (:mod:`.gpu`: many pieces per
@@ -65,6 +74,7 @@ class Engine(Protocol):
     version: int | None
     bucket_size: int
     num_buffers: int
+    verify_every: int
     n_senders: int
     trainer_rank: int
     last_full: bool | None
@@ -85,6 +95,7 @@ class Engine(Protocol):
     def _reduce_max(self, t: torch.Tensor, phase: str) -> None: ...
 
 FULL, SPARSE, BITMAP, DENSE = 0, 1, 2, 3  # record kinds (FULL: dense, in a full update)
+DIGEST = 4  # a kernel row that reads a whole destination's digest (never on the wire)
 _WORDS = 6  # record header: tensor, kind, start, n, k, digest
 _HEADER = _WORDS * 8
 _NEUTRAL = -(1 << 62)  # a rank with no say in a field of the agreement
@@ -630,12 +641,15 @@ def pieces_of(stream: Any, rank: int, world: int) -> Iterator[tuple[int, int, to
 
 
 class Chain:
-    """A receiver's record of what it holds: the version, and a digest of every patch
-    applied since its last full update (equal on receivers that applied the same ones)."""
+    """A receiver's record of what it holds: the version, a digest of every patch applied
+    since its last full update (equal on receivers that applied the same ones), and the
+    running digest each destination tensor should have (see the module's step 5)."""
 
     def __init__(self) -> None:
         self.version: int | None = None
         self.digest = 0
+        self.sums: torch.Tensor | None = None  # int64 per tensor, on the host (None: not known)
+        self.unchecked = 0  # delta updates applied since the destinations were last checked
 
 
 def receive(engine: Engine, version: int, manifest: Manifest,
@@ -654,6 +668,8 @@ def receive(engine: Engine, version: int, manifest: Manifest,
         else:
             targets, error = _targets(engine, manifest, dest)
     chain.version, applied = None, 0
+    verify = engine.verify_every > 0
+    moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if verify and not full else None
     every: list[Bucket] = []  # every round's buckets
     go_on = True
     while go_on:
@@ -669,7 +685,7 @@ def receive(engine: Engine, version: int, manifest: Manifest,
                 engine.version = None  # from the first byte written on, the old version is gone
                 try:
                     with torch.no_grad():  # destinations may be parameters
-                        applied += _apply(slot, b.used, targets, manifest, full)
+                        applied += _apply(slot, b.used, targets, manifest, full, moved)
                 except _Drift as e:
                     error = f"{engine.where()}: {e}"
                 except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
@@ -679,6 +695,10 @@ def receive(engine: Engine, version: int, manifest: Manifest,
                 engine._post_recv(plan[i + engine.num_buffers])
         every += plan
     engine._flush_recv(_PlanView(every))
+    if error is None and verify:
+        error = _verify(engine, chain, targets, manifest, version, moved)
+    if error is not None or not verify:
+        chain.sums = None
     if error is None:
         chain.digest = ((version * 7919 + 1) if full else
                         (chain.digest * 1000003 + applied + version)) & _MASK
@@ -688,6 +708,50 @@ def receive(engine: Engine, version: int, manifest: Manifest,
 
 class _Drift(Exception):
     pass
+
+
+def _verify(engine: Engine, chain: Chain, targets: Any, manifest: Manifest, version: int,
+            moved: torch.Tensor | None) -> str | None:
+    """Step 5: move every destination's running digest by what this update applied
+    (``moved``, None: a full update, which sets them from the tensors), and, when a check is
+    due, compare them with a fresh pass over the destinations. Returns the error, or None."""
+    if moved is None or chain.sums is None:  # (a full update; or a joiner's first delta: from here)
+        chain.sums, chain.unchecked = digests(targets), 0
+        return None
+    chain.sums += moved
+    chain.unchecked += 1
+    if chain.unchecked < engine.verify_every:
+        return None
+    chain.unchecked = 0
+    bad = (digests(targets) != chain.sums).nonzero().squeeze(1).tolist()
+    if not bad:
+        return None
+    names = ", ".join(repr(manifest.metas[i].name) for i in bad[:3]) + (f" and {len(bad) - 3} more"
+                                                                       if len(bad) > 3 else "")
+    return (f"{engine.where()}: delta mode: this rank's copy of {names} no longer holds what the "
+            f"trainer sent: it changed at elements no patch touched since it was last checked (a bit "
+            f"flip, or something other than weightbus wrote it). Version {version} is not held; the "
+            f"next update is sent whole (a dense resync)")
+
+
+def digests(targets: list[torch.Tensor]) -> torch.Tensor:
+    """Every flat tensor's whole digest, ``sum(w(i) * x[i])`` over its elements' bit
+    patterns (int64 on the host): one read of each, by the kernels of their device (a
+    row per tensor, in one call) or, without them, by torch ops."""
+    if not isinstance(targets, _Targets):
+        targets = _Targets(targets)
+    if not len(targets):
+        return torch.zeros(0, dtype=torch.int64)
+    size = targets.size
+    zero = torch.zeros_like(size)
+    rows = torch.stack([torch.full_like(size, DIGEST), targets.addr, size, targets.esize, zero, zero, zero,
+                        size], 1)
+    if targets.device is not None:
+        if (lib := kernels.usable(targets[0])) is not None:
+            return kernels.apply_many(lib, rows)[:, 0].clone()
+        if gpu.usable(targets[0]) is not None:
+            return gpu.apply_many(rows, targets.device)[:, 0].clone()
+    return torch.stack([_weighted_range(0, _bits(t).long()).cpu() for t in targets])
 
 
 def _apply_torch(kind: int, raw: torch.Tensor, vals: torch.Tensor, sub: torch.Tensor, n: int, k: int,
@@ -749,8 +813,10 @@ def _targets(engine: Engine, manifest: Manifest, dest: dict[str, torch.Tensor]
     return targets, None
 
 
-def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool) -> int:
-    """Write every record of a bucket into its target; returns the sum of their digests.
+def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool,
+           moved: torch.Tensor | None = None) -> int:
+    """Write every record of a bucket into its target; returns the sum of their digests,
+    and adds each into its tensor's entry of ``moved`` (where given).
     Reads the directory once and checks every digest (and position) at once at the end:
     host tensors by the C kernels, a call per thread for the whole bucket; others by
     torch ops."""
@@ -768,10 +834,10 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
     if count and targets.device == slot.device:
         if (lib := kernels.usable(slot)) is not None:
             return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
-                                 manifest)
+                                 manifest, moved)
         if gpu.usable(slot) is not None:
             return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device), slot, used, count, targets,
-                                 manifest)
+                                 manifest, moved)
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
@@ -814,6 +880,10 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
         bad |= {checks[i][0] for i in (ours != theirs).nonzero().squeeze(1).tolist()}
     if bad:
         raise _mismatch(heads[min(bad)], manifest)
+    if moved is not None and heads:
+        at = torch.tensor(heads, dtype=torch.int64)
+        patch = at[:, 1] != FULL
+        moved.index_add_(0, at[patch, 0], at[patch, 5])
     return total
 
 
@@ -825,7 +895,7 @@ def _mismatch(head: list[int], manifest: Manifest) -> _Drift:
 
 
 def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
-                  manifest: Manifest) -> int:
+                  manifest: Manifest, moved: torch.Tensor | None) -> int:
     """``_apply`` by the kernels (C on a host, Triton on a GPU): the directory read once,
     checked and laid out by tensor ops (no Python per record: models have tens of thousands
     of tensors), every record written by ``apply_rows`` (a row per record, see
@@ -860,7 +930,10 @@ def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, ta
                      f"says {h[4]} changes but its bitmap has {'bits past its end' if got < 0 else got}")
     if (h := first((sparse & (status >= 0)) | ((kind != FULL) & (ours != digest)))) is not None:
         raise _mismatch(h, manifest)
-    return sum(digest[kind != FULL].tolist())
+    patch = kind != FULL
+    if moved is not None:
+        moved.index_add_(0, index[patch], digest[patch])
+    return sum(digest[patch].tolist())
 
 
 # ------------------------------------------------------------------ both sides

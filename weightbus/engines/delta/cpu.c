@@ -202,7 +202,7 @@ static int64_t diff_one(const uint8_t *cur, uint8_t *snap, int64_t n, int e, int
     return k;
 }
 
-enum { KIND_FULL = 0, KIND_SPARSE = 1, KIND_BITMAP = 2, KIND_DENSE = 3, KIND_NONE = -1 };
+enum { KIND_FULL = 0, KIND_SPARSE = 1, KIND_BITMAP = 2, KIND_DENSE = 3, KIND_DIGEST = 4, KIND_NONE = -1 };
 
 /* Diff count pieces, one call for many (a call per piece costs more than a small piece's
  * diff). Row i of rows: cur, snap (addresses), n, e, start, cap. The bodies go one after
@@ -306,6 +306,11 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
             sum += weight(start + i) * (load(vals + i * (E), E) - load(dst + i * (E), E));      \
         memcpy(dst, vals, (size_t)(n * (E)));                                                   \
         *digest = sum;                                                                          \
+    }                                                                                           \
+    static void digest_##E(const uint8_t *dst, int64_t n, int64_t start, uint64_t *digest) {    \
+        uint64_t sum = 0;                                                                       \
+        for (int64_t i = 0; i < n; i++) sum += weight(start + i) * load(dst + i * (E), E);      \
+        *digest = sum;                                                                          \
     }
 
 APPLY(1)
@@ -315,7 +320,9 @@ APPLY(8)
 
 /* Apply count records, one call for many. Row i of rows: kind, dst (address of the first
  * element the record covers), n, e, start, where (positions or bitmap: address), vals
- * (address), k. Row i of results: our digest (KIND_FULL: 0), and the status: KIND_SPARSE,
+ * (address), k. Row i of results: our digest (KIND_FULL: 0; KIND_DIGEST, which writes
+ * nothing: sum(w(start + i) * dst[i]) over its n elements, the running check of a whole
+ * destination), and the status: KIND_SPARSE,
  * -1 or the index of the first position out of range; KIND_BITMAP, the number of set bits
  * (-1: a bit past n); otherwise 0. */
 void wb_apply_many(int64_t count, const int64_t *rows, int64_t *results) {
@@ -331,6 +338,7 @@ void wb_apply_many(int64_t count, const int64_t *rows, int64_t *results) {
         } else {
 #define CALL(E)                                                                                   \
     if (kind == KIND_DENSE) dense_##E(dst, n, start, vals, &sum);                                 \
+    else if (kind == KIND_DIGEST) digest_##E(dst, n, start, &sum);                                \
     else if (kind == KIND_SPARSE) status = sparse_##E(dst, n, start, (const int32_t *)where, vals, k, &sum); \
     else status = bitmap_##E(dst, n, start, where, vals, k, &sum)
             BY_WIDTH(row[3], CALL)

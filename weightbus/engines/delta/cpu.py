@@ -209,12 +209,13 @@ def diff_many(lib: ctypes.CDLL, rows: torch.Tensor, need: int, arena: Arena
 def apply_many(lib: ctypes.CDLL, rows: torch.Tensor) -> torch.Tensor:
     """Write every record, a row ``[kind, dst address, n, e, start, positions or bitmap
     address, values address, k]`` of ``rows`` (int64), in one call per thread. Returns
-    ``[our digest, status]`` per record (see ``wb_apply_many``)."""
+    ``[our digest, status]`` per record (see ``wb_apply_many``; a ``DIGEST`` row, kind 4,
+    reads its range's digest and writes nothing)."""
     table = rows.contiguous()
     results = torch.zeros(len(table), 2, dtype=torch.int64)
     # split where the bytes written are even, so the threads get about as much work
     kind, n, e, k = table[:, 0], table[:, 2], table[:, 3], table[:, 7]
-    work = torch.cumsum(torch.where((kind == 0) | (kind == 3), n, k) * e, 0)
+    work = torch.cumsum(torch.where((kind == 0) | (kind >= 3), n, k) * e, 0)
     parts = threads()
     cuts = torch.searchsorted(work, work[-1] * torch.arange(1, parts) // parts, right=True).tolist() \
         if parts > 1 and len(table) > 1 else []

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program (a multiple of 32: a block's bits are whole 32-bit words)
 WARPS = [8, 4]  # warps per program of the diff and the write (the fastest on an H100)
-_FULL, _SPARSE, _BITMAP, _DENSE, _NONE = 0, 1, 2, 3, -1  # as delta.py's kinds
+_FULL, _SPARSE, _BITMAP, _DENSE, _DIGEST, _NONE = 0, 1, 2, 3, 4, -1  # as delta.py's kinds
 _lock = threading.Lock()
 _kernels: Any = None
 _tried = False
@@ -262,7 +262,8 @@ def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     address, values address, k]`` of ``rows`` (int64, addresses on ``device``, one element
     size). Returns ``[our digest, status]`` per record, on the host, as
     ``cpu.apply_many``: status for positions, -1 or the first position out of
-    range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
+    range; for a bitmap, its set bits (-1: a bit past its n); else 0. A ``DIGEST`` row
+    writes nothing: its digest is the whole range's, ``sum(w(start + i) * dst[i])``."""
     with _on(device):
         return _apply_many(rows, device)
 

@@ -209,6 +209,11 @@ def apply(rows, blk_rec, blk_off, blk_base, partial, first_bad, INT: tl.constexp
         tl.store(first_bad + b, big)
         part = _apply_bitmap(dst, n, start, where.to(tl.pointer_type(tl.uint8)), vals, k, off,
                              tl.load(blk_base + b), BLOCK)
+    elif kind == 4:  # a whole destination's running check: its digest, nothing written
+        tl.store(first_bad + b, big)
+        take = j < n
+        x = tl.load(dst + j, mask=take, other=0)
+        part = tl.sum(_terms(take, start + j, x, tl.zeros_like(x)), axis=0)
     else:
         tl.store(first_bad + b, big)
         take = j < n

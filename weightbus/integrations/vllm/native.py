@@ -30,13 +30,21 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+try:
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError as e:  # (before 0.26 these names do not exist)
+    raise ImportError(f"weightbus's vLLM backend needs vllm>=0.28 (its native weight-transfer API); "
+                      f"this vLLM lacks it ({e}): pip install 'weightbus[vllm]'") from e
+if hasattr(WeightTransferEngine, "trainer_send_weights") or "backend" not in getattr(
+        TrainerInitInfo, "__annotations__", {}):  # (0.26-0.27: an older form of the same API)
+    raise ImportError("weightbus's vLLM backend needs vllm>=0.28 (its native weight-transfer API as "
+                      "released there); this vLLM has an earlier form of it: pip install 'weightbus[vllm]'")
 
 from weightbus.config import BUILTIN_TIMEOUT
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
