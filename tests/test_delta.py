@@ -493,3 +493,13 @@ def test_whole_digests_agree_either_way(path):
     dm._bits(tensors[9])[4000] ^= 1  # one bit of one element
     changed = (dm.digests(tensors) != got).nonzero().squeeze(1).tolist()
     assert changed == [9]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CI has none: the Triton kernels "
+                    "run under Triton's interpreter in test_whole_digests_agree_either_way)")
+def test_whole_digests_on_cuda():
+    g = torch.Generator().manual_seed(4)
+    tensors = [(torch.randn(s, generator=g) * 20).to(dt).view(-1).cuda()
+               for s in [(300, 7), (5,), (4099,), (1 << 20,), (0,)] for dt in DTYPES]
+    want = torch.stack([dm._weighted_range(0, dm._bits(t.cpu()).long()) for t in tensors])
+    assert torch.equal(dm.digests(tensors), want)

@@ -18,6 +18,7 @@ import time
 import mgr_workers
 import pytest
 import torch.multiprocessing as mp
+import workers
 import workers_faults
 from mgr_workers import PauseFails, ResumeFails, SinkRaises, SinkRaisesMidStream, SourceRaises
 from rl_workers import Rollout
@@ -268,3 +269,15 @@ def test_manager_resumes_healthy_replicas_whatever_fails():
 
 def test_worker_module_is_importable():
     assert mgr_workers.PauseFails and workers_faults.peer_lost
+
+
+def test_spawn_stops_the_others_soon_after_a_rank_fails():
+    """The demo's and the tests' process launcher: ranks waiting on a failed one are killed
+    after a grace period (not at the whole timeout), and the error names both."""
+    from weightbus import WeightbusError
+    from weightbus.runtime.local import spawn
+    t0 = time.monotonic()
+    with pytest.raises(WeightbusError, match="(?s)rank 0 failed \\(injected\\).*rank 1: still running 2s "
+                                             "after another rank failed"):
+        spawn(workers.fails_or_waits, 2, timeout=300, grace=2)
+    assert time.monotonic() - t0 < 60

@@ -151,6 +151,13 @@ def test_native_updates_and_bad_input(llm, free_port):
         hidden = tr.rank0.model.config.hidden_size
         bad = {
             "unknown name": ({"model.bogus.weight": torch.ones(4, 4)}, "bogus"),
+            # inside a known module, or a layer the model does not have: vLLM's loader looks
+            # the name up (a ValueError, AttributeError or KeyError inside vLLM): named as a
+            # name the model does not know
+            "unknown name in a layer": ({"model.layers.0.mlp.gate_bogus.weight": torch.ones(4, 4)},
+                                        "does not know tensor 'model.layers.0.mlp.gate_bogus.weight'"),
+            "a layer past the last": ({"model.layers.7.mlp.down_proj.weight": torch.ones(4, 4)},
+                                      "does not know tensor 'model.layers.7.mlp.down_proj.weight'"),
             "shape mismatch": ({"model.layers.0.mlp.down_proj.weight": torch.ones(hidden, 7)},
                                "down_proj"),
             "missing tensor": ({"model.layers.1.self_attn.v_proj.weight": None}, "qkv_proj"),
@@ -169,14 +176,14 @@ def test_native_updates_and_bad_input(llm, free_port):
         tr.each("set_source")
         tr.rank0.engine.source = BreakingSource(tr.rank0.engine.source, after=5)
         with pytest.raises(WeightSyncError, match="mid-update"):
-            tr.update(7)
+            tr.update(11)
         assert len(greedy(engine)[0]) == 8  # still generating (some layers are new, none garbage)
 
         # and the next good update lands whole
         tr.each("set_source")
-        tr.update(8)
+        tr.update(12)
         assert greedy(engine) == tr.rank0.greedy(PROMPTS, 8)
-        assert engine.get_weight_version() == "8"
+        assert engine.get_weight_version() == "12"
     finally:
         tr.close()
 
@@ -187,8 +194,8 @@ def test_native_colocated_shared_memory(llm, free_port):
     from vllm.distributed.weight_transfer import ModuleSource as VLLMModuleSource
     tr = Trainers(path, free_port, OfflineLLMRollout(engine), world=1, transport="colocated")
     try:
-        for step in (11, 12, 13):
-            if step == 13:  # vLLM's own WeightSource works as the source too
+        for step in (13, 14, 15):
+            if step == 15:  # vLLM's own WeightSource works as the source too
                 tr.rank0.engine.source = VLLMModuleSource(tr.rank0.model)
             tr.each("train_step", step)
             tr.update(step, mode="abort")

@@ -656,3 +656,10 @@ def colocated_misconfigured(rank: int, port: int, case: str):
     out["seconds"] = time.monotonic() - t0
     engine.finalize(destroy_group=True)
     return out
+
+
+def fails_or_waits(rank: int):
+    """Rank 0 fails at once; the others wait on it, as at a rendezvous, for good."""
+    if rank == 0:
+        raise RuntimeError("rank 0 failed (injected)")
+    time.sleep(3600)

@@ -126,3 +126,117 @@ def relay_worker(rank: int, port: int, path: str):
             out.append({n: digest(t) for n, t in items})
     engine.finalize(destroy_group=True)
     return out
+
+
+# --- faults (tests/test_faults_cache.py): forked, so no process pays torch's import again ----
+
+def _private_tmpfs(targets: list[str], size: int) -> str | None:
+    """Mount a ``size``-byte tmpfs on each of ``targets``, seen by this process and its
+    children only (a mount namespace of their own: it goes when they do). This process
+    must be single-threaded (a forked one is). None, or why it cannot."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    newns, newuser, rec, private = 0x00020000, 0x10000000, 1 << 14, 1 << 18
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(newns) != 0:  # root with CAP_SYS_ADMIN; else a user namespace too
+        if libc.unshare(newns | newuser) != 0:
+            return f"cannot make a mount namespace: {os.strerror(ctypes.get_errno())}"
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    if libc.mount(b"none", b"/", None, rec | private, None) != 0:  # nothing leaks to the host
+        return f"cannot make / private: {os.strerror(ctypes.get_errno())}"
+    for t in targets:
+        os.makedirs(t, exist_ok=True)
+        if libc.mount(b"tmpfs", t.encode(), b"tmpfs", 0, f"size={size}".encode()) != 0:
+            return f"cannot mount a tmpfs on {t}: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def _full_publisher(backend: str, where: str, limit: int | None, conn) -> None:
+    """Publishes version 1, then version 2 into a full file system (``limit``: under a
+    file-size limit instead); reports what publishing 2 raised, then (with a limit, once
+    told) lifts it and publishes 2 again."""
+    import resource
+    torch.set_num_threads(1)
+    engine = cache("trainer", backend, where, keep=2)
+    model = Mixed()
+    model.step(1)
+    asyncio.run(engine.send_weights(ModuleSource(model), version=1))
+    conn.send(digests(model))
+    model.step(2)
+    if limit is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        asyncio.run(engine.send_weights(ModuleSource(model), version=2))
+        conn.send(("published", None, sorted(os.listdir(engine.root))))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        conn.send((type(e).__name__, str(e), sorted(os.listdir(engine.root))))
+    if limit is not None and conn.recv() == "again":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        asyncio.run(engine.send_weights(ModuleSource(model), version=2))
+        conn.send(digests(model))
+
+
+def full_publish(backend: str, where: str, mode: str, conn) -> None:
+    """A publisher (a child) meets a full file system: ``tmpfs`` (a 1 MiB tmpfs on the
+    cache's directory, or on /dev/shm for ``shm``: version 1 fits, 2 does not) or
+    ``fsize`` (a file-size limit). Then this process, a reader, pulls the newest version.
+    Sends the test a dict of what happened."""
+    import multiprocessing as mp
+    import shutil
+    torch.set_num_threads(1)
+    out: dict = {}
+    root = where if backend == "disk" else f"/dev/shm/wbcache_{where}"
+    try:
+        if mode == "tmpfs":
+            why = _private_tmpfs([where if backend == "disk" else "/dev/shm"], 1 << 20)
+            if why:
+                conn.send({"skip": why})
+                return
+        ctx = mp.get_context("fork")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_full_publisher,
+                        args=(backend, where, 64 << 10 if mode == "fsize" else None, theirs))
+        p.start()
+        theirs.close()
+        out["v1"] = mine.recv()
+        try:
+            out["outcome"] = mine.recv()
+        except EOFError:  # it died
+            p.join(60)
+        out["files"] = sorted(os.listdir(root))
+        reader = cache("rollout", backend, where)
+        model = Mixed()
+        stream = reader.get_weights()
+        asyncio.run(ModuleSink(model).load(stream))
+        out["read"] = (stream.version, digests(model))
+        if mode == "fsize" and p.is_alive():  # room again: the same engine publishes 2
+            mine.send("again")
+            out["v2"] = mine.recv()
+            stream = reader.get_weights(newer_than=1)
+            asyncio.run(ModuleSink(model).load(stream))
+            out["read2"] = (stream.version, digests(model))
+        p.join(60)
+        out["exitcode"] = p.exitcode
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if backend == "shm":
+            shutil.rmtree(root, ignore_errors=True)
+        conn.send(out)
+
+
+def pull(backend: str, where: str, newer_than, conn) -> None:
+    """One pull by a reader of its own (a process): (version, digests) or the error."""
+    torch.set_num_threads(1)
+    try:
+        reader = cache("rollout", backend, where)
+        stream = reader.get_weights(newer_than=newer_than)
+        model = Mixed()
+        asyncio.run(ModuleSink(model).load(stream))
+        conn.send((stream.version, digests(model)))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        conn.send((None, f"{type(e).__name__}: {e}"))

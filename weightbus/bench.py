@@ -73,6 +73,11 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
+        if isinstance(self.iters, bool) or not isinstance(self.iters, int) or self.iters < 1:
+            raise ValueError(f"iters must be an int >= 1 (timed iterations), got {self.iters!r}")
+        mb = self.bucket_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            raise ValueError(f"bucket_mb must be None or an int >= 1 (MiB), got {self.bucket_mb!r}")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
         if self.backend is not None and self.backend not in DISAGG_BACKENDS:
@@ -299,6 +304,8 @@ def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
         agent.release_xfer_handle(h)
 
     for b in plan.buckets:
+        if b.owner != engine.trainer_rank:  # (several trainer ranks: each writes its own buckets)
+            continue
         while len(pending) >= 2 * len(heads):
             wait(pending.pop(0))
         src = slots[b.index % len(slots)]
@@ -315,10 +322,10 @@ def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
 
 def raw_mooncake(engine: CheckpointEngine, plan: Any) -> None:
     """The floor of the mooncake engine, on a receiver: the same bucket bytes read from the
-    trainer's slots, two in flight, with no control words, relay, unpacking or checks
+    trainer ranks' slots, two in flight, with no control words, relay, unpacking or checks
     (every receiver reads at once, as the engine's replica leaders do)."""
     te, slots = engine._te, engine._slots  # type: ignore[attr-defined]
-    session, addrs = engine._sources[0]  # type: ignore[attr-defined]
+    sources = engine._sources  # type: ignore[attr-defined]  # trainer rank -> (session, slot addrs)
     pending: list[int] = []
 
     def wait(batch: int) -> None:
@@ -330,6 +337,7 @@ def raw_mooncake(engine: CheckpointEngine, plan: Any) -> None:
     for b in plan.buckets:
         if len(pending) >= 2:
             wait(pending.pop(0))
+        session, addrs = sources[b.owner]  # each bucket from the trainer rank that packs it
         pending.append(te.batch_transfer_async_read(session, [slots[b.index % len(slots)].data_ptr()],
                                                     [addrs[b.index % len(addrs)]], [b.wire_bytes]))
     for batch in pending:

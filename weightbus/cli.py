@@ -1,34 +1,226 @@
-"""Layer 6: the ``weightbus`` command."""
+"""Layer 6: the ``weightbus`` command.
+
+Every option is checked before anything starts (a process, a model, an engine): a bad
+value ends in one line that names the option, the value and what would do, exit code 2
+as argparse's own errors.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import math
+import os
 import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from weightbus.demo import DemoConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    """An error is one line (what is wrong and the fix), not the usage block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int(lo: int, hi: int | None = None, *, multiple: int = 1, what: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], a multiple of ``multiple``; the error names
+    the value and the range (argparse adds the option's name)."""
+
+    def parse(text: str) -> int:
+        need = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        if multiple > 1:
+            need += f" that is a multiple of {multiple}"
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}, need {need}{what}") from None
+        if n < lo or (hi is not None and n > hi) or n % multiple:
+            hint = f", e.g. {max(lo, -(-n // multiple) * multiple)}" if lo <= n and n % multiple else ""
+            raise argparse.ArgumentTypeError(f"got {n}, need {need}{what}{hint}")
+        return n
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a fraction in (0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not 0 < x <= 1:  # (also NaN)
+        raise argparse.ArgumentTypeError(f"got {text!r}, need a fraction of the elements in (0, 1], "
+                                         f"e.g. 0.01")
+    return x
+
+
+def _out_file(text: str) -> str:
+    """An argparse type: a file this process can write (its directory exists)."""
+    where = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory: give a file name in it")
+    if not os.path.isdir(where):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {where} does not exist: create it "
+                                         f"or give a path in an existing one")
+    if not os.access(where, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {where} is not writable for this user")
+    return text
+
+
+def _directory(text: str) -> str:
+    """An argparse type: an existing directory this process can write into."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory: create it or give another")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable for this user: give another directory")
+    return text
+
+
+def _backend_missing(name: str) -> str | None:
+    """Why engine ``name`` cannot run on this machine (None if it can), found without
+    starting anything: its hardware or package is missing."""
+    import torch
+
+    from weightbus.errors import PlanError
+    if name == "nccl" and not torch.cuda.is_available():
+        return "--backend nccl needs CUDA GPUs, and this machine has none: use --backend gloo"
+    if name == "hccl" and importlib.util.find_spec("torch_npu") is None:
+        return "--backend hccl needs Ascend NPUs (torch_npu), not installed here: use --backend gloo"
+    if name in ("nixl", "mooncake"):
+        from weightbus.engines import mooncake, nixl
+        try:
+            (nixl._nixl_api if name == "nixl" else mooncake._mooncake_api)()
+        except PlanError as e:
+            return f"--backend {name}: {e}"
+    return None
+
+
+@contextlib.contextmanager
+def _logs_to_file(verbose: bool) -> Iterator[None]:
+    """Unless ``verbose``: what the demo's processes print while it runs (the engines' own
+    logs and warnings; child processes inherit the descriptors) goes to a log file, named
+    in one line when it holds anything, so the table stays readable."""
+    if verbose:
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="weightbus-demo-", suffix=".log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, held in enumerate(saved, 1):
+            os.dup2(held, target)
+            os.close(held)
+        with open(path, "rb") as f:
+            lines = f.read().count(b"\n")
+        if lines or failed:
+            print(f"engine logs ({lines} lines, --verbose shows them here): {path}",
+                  file=sys.stderr if failed else sys.stdout, flush=True)
+        else:
+            os.unlink(path)
+
+
+def _check_demo(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """What no single option's type can check: options that need others, the machine."""
+    from weightbus.demo import CACHE_BACKENDS
+    vllm = args.rollout == "vllm"
+    if vllm:
+        if args.backend in CACHE_BACKENDS:
+            error(f"--rollout vllm updates vLLM in step with the trainers; --backend {args.backend} is a "
+                  f"cache its readers pull from: use --backend gloo (or colocated, nixl, mooncake), or "
+                  f"--rollout torch")
+        if args.rollouts not in (None, 1):
+            error(f"--rollouts {args.rollouts}: --rollout vllm runs one vLLM engine; more rollout ranks "
+                  f"are for --rollout torch")
+        if args.dim is not None and args.dim % 128:
+            error(f"--dim {args.dim}: --rollout vllm makes a Qwen2 of 64-wide heads in pairs of KV heads: "
+                  f"give a multiple of 128, e.g. {max(128, args.dim // 128 * 128)}")
+    if args.cache_dir is not None and args.backend != "disk":
+        error(f"--cache-dir is where --backend disk keeps its cache; with --backend {args.backend} it "
+              f"would do nothing: add --backend disk, or drop --cache-dir")
+    if args.bucket_mb is not None and args.backend in CACHE_BACKENDS:
+        error(f"--bucket-mb: --backend {args.backend} writes whole versions into its cache, without "
+              f"buckets: drop --bucket-mb")
+    if vllm and importlib.util.find_spec("vllm") is None:  # (not imported: it logs on import)
+        error("--rollout vllm needs vLLM: pip install 'weightbus[vllm]' (make demo-vllm builds "
+              ".venv-vllm with the CPU build)")
+    why = _backend_missing(args.backend)
+    if why:
+        error(why)
+    if not vllm:
+        cfg = _demo_config(args)
+        need, have = cfg.host_bytes(), _available_memory()
+        if have is not None and need > have:
+            error(f"--dim {cfg.dim} --layers {cfg.layers} with {cfg.trainers} + {cfg.rollouts} ranks needs "
+                  f"~{need / 2**30:.1f} GiB of host memory, {have / 2**30:.1f} GiB is available: lower "
+                  f"--dim, --layers, --bucket-mb or the ranks")
+        from weightbus.buffers import shm_room
+        room, shm = shm_room(), cfg.shm_bytes()
+        if room is not None and shm > room:
+            error(f"--backend {cfg.backend} needs ~{shm / 2**20:.0f} MiB in /dev/shm, which has "
+                  f"{room / 2**20:.0f} MiB free: lower --dim, --layers or --bucket-mb, or use --backend gloo")
+
+
+def _available_memory() -> int | None:
+    """Host memory available to new processes (Linux), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _demo_config(args: argparse.Namespace) -> DemoConfig:
+    from weightbus.demo import DemoConfig
+    return DemoConfig(backend=args.backend, trainers=args.trainers, rollouts=args.rollouts or 2,
+                      steps=args.steps, dim=args.dim or 512, layers=args.layers,
+                      bucket_mb=args.bucket_mb or 16, cache_dir=args.cache_dir)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _check_demo(args, args.parser.error)
     if args.rollout == "vllm":
         return _demo_vllm(args)
-    from weightbus.demo import DemoConfig, run_demo
+    from weightbus.demo import floor_note, run_demo
 
-    cfg = DemoConfig(backend=args.backend, trainers=args.trainers, rollouts=args.rollouts,
-                     steps=args.steps, dim=args.dim, layers=args.layers, bucket_mb=args.bucket_mb)
+    cfg = _demo_config(args)
+    where = f" (cache in {cfg.cache_dir or tempfile.gettempdir()})" if cfg.backend == "disk" else ""
     print(f"weightbus demo: {cfg.trainers} FSDP2 trainer ranks (gloo) -> {cfg.rollouts} rollout "
-          f"ranks over '{cfg.backend}', {cfg.steps} optimizer steps, bf16 on the wire", flush=True)
-    rows = run_demo(cfg)
+          f"ranks over '{cfg.backend}'{where}, {cfg.steps} optimizer steps, bf16 on the wire", flush=True)
+    with _logs_to_file(args.verbose):
+        rows = run_demo(cfg)
     print(f"{'update':>6} {'loss':>8} {'MB':>8} {'seconds':>8} {'GB/s':>7} {'fsdp gather s':>13} "
           f"{'floor GB/s':>10} {'ratio':>6}  check")
     for r in rows:
         floor = r.get("floor_gbps")
         ratio = f"{r['seconds'] / r['floor_seconds']:.2f}x" if floor else "-"
+        shown = f"{floor:>10.2f}" if floor else f"{'n/a':>10}"
         print(f"{r['step']:>6} {r['loss']:>8.4f} {r['bytes'] / 1e6:>8.1f} {r['seconds']:>8.3f} "
-              f"{r['gbps']:>7.2f} {r['gather_seconds']:>13.3f} {floor or 0:>10.2f} {ratio:>6}  "
+              f"{r['gbps']:>7.2f} {r['gather_seconds']:>13.3f} {shown} {ratio:>6}  "
               f"{'bitwise OK' if r['verified'] else 'MISMATCH'}")
+    print(textwrap.fill(floor_note(cfg.backend), 95))
+    print("fsdp gather: the trainers' own gathering of their shards, included in 'seconds'.")
     if rows and rows[0].get("floor_gbps"):
-        print("floor: a raw broadcast of the same buckets over the same groups, best of 3, same run;\n"
-              "fsdp gather: the trainers' own gathering of their shards, included in 'seconds'.\n"
-              "Why the ratio is far from 1 here: a small model (tens of MB) on a CPU whose processes share\n"
+        print("Why the ratio is far from 1 here: a small model (tens of MB) on a CPU whose processes share\n"
               "its cores, so an update is dominated by fixed costs the floor does not pay (the FSDP\n"
               "gathers, the header and status round trips, every rank's check). On GPUs with real\n"
               "models the NCCL path runs at 1.13-1.24x of a raw broadcast: benchmarks/RESULTS.md.")
@@ -44,17 +236,13 @@ def _verified(rows: list[dict], json_path: str | None) -> int:
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print("--rollout vllm needs vLLM: pip install 'weightbus[vllm]' (make test-vllm builds "
-              ".venv-vllm with the CPU build)", file=sys.stderr)
-        return 2
     from weightbus.integrations.vllm.demo import run_vllm_demo
 
     print(f"weightbus demo: {args.trainers} FSDP2 trainer ranks (gloo) -> a vLLM engine (native "
           f"'weightbus' backend) over '{args.backend}', {args.steps} optimizer steps, fp32", flush=True)
-    rows = run_vllm_demo(trainers=args.trainers, steps=args.steps, backend=args.backend)
+    with _logs_to_file(args.verbose):
+        rows = run_vllm_demo(trainers=args.trainers, steps=args.steps, backend=args.backend,
+                             hidden=args.dim or 256, layers=args.layers, bucket_mb=args.bucket_mb)
     print(f"{'update':>6} {'loss':>8} {'MB':>8} {'seconds':>8} {'transfer s':>10} "
           f"{'vLLM version':>12}  check")
     for r in rows:
@@ -72,22 +260,40 @@ def _bench(args: argparse.Namespace) -> int:
     from weightbus import presets
     from weightbus.bench import SCENARIOS, BenchConfig, main_bench
 
+    error: Callable[[str], NoReturn] = args.parser.error
     gpu = torch.cuda.is_available()
     names = args.preset or (["8b"] if gpu else ["tiny"])
     if args.tensors is not None or args.tensor_bytes is not None:
+        if args.preset:
+            error(f"--tensors/--tensor-bytes make a stress preset of their own: drop --preset "
+                  f"{' --preset '.join(args.preset)}, or them")
         try:
             names = [presets.stress(args.tensors or 100_000, args.tensor_bytes or 1024)]
         except ValueError as e:
-            print(f"weightbus bench: {e}", file=sys.stderr)
-            return 2
+            error(str(e))
     scenarios = args.scenario or [s for s in SCENARIOS if gpu or not s.endswith("-direct")]
     engines: list[str | None] = args.backend or [None]
-    if args.backend or args.receivers != 1:  # they are the disaggregated scenario's knobs
-        if args.scenario and set(args.scenario) != {"disaggregated"}:
-            print("weightbus bench: --backend and --receivers apply to --scenario disaggregated only",
-                  file=sys.stderr)
-            return 2
+    # the disaggregated scenario's own knobs: they choose it, and refuse any other
+    knobs = [k for k, given in (("--backend", args.backend), ("--receivers", args.receivers != 1),
+                                ("--delta", args.delta is not None)) if given]
+    if knobs:
+        others = sorted(set(args.scenario or ()) - {"disaggregated"})
+        if others:
+            one = len(knobs) == 1
+            error(f"{', '.join(knobs)} appl{'ies' if one else 'y'} to --scenario disaggregated only, not "
+                  f"--scenario {', '.join(others)}: drop {'it' if one else 'them'}, or that scenario")
         scenarios = ["disaggregated"]
+    if args.topology is not None and "nixl" not in engines:
+        error(f"--topology {args.topology} shapes the nixl engine's forwarding: add --backend nixl, "
+              f"or drop it")
+    direct = [s for s in scenarios if s.endswith("-direct")]
+    if direct and not gpu:
+        error(f"--scenario {direct[0]} writes straight into exported GPU memory, and this machine has no "
+              f"GPU: use --scenario {direct[0].removesuffix('-direct')}")
+    for e in args.backend or ():
+        why = _backend_missing(e)
+        if why:
+            error(why)
     if gpu and torch.cuda.device_count() < 2:
         dropped = [s for s in scenarios if not s.startswith("colocated")]
         scenarios = [s for s in scenarios if s.startswith("colocated")]
@@ -101,8 +307,7 @@ def _bench(args: argparse.Namespace) -> int:
                                delta=args.delta if s == "disaggregated" else None)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
-        print(f"weightbus bench: {e}", file=sys.stderr)
-        return 2
+        error(str(e))
     return main_bench(configs, args.json, args.plot, log=lambda m: print(m, flush=True))
 
 
@@ -116,58 +321,85 @@ class _Defaults(argparse.HelpFormatter):
         return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``weightbus`` command's parser: every option with its help and its check."""
     from weightbus import __version__
-    p = argparse.ArgumentParser(prog="weightbus", description="Move model weights from RL trainers to "
-                                "rollout engines; demos and benchmarks.")
+    p = _Parser(prog="weightbus", description="Move model weights from RL trainers to "
+                "rollout engines; demos and benchmarks.")
     p.add_argument("--version", action="version", version=f"weightbus {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,bench}")
     d = sub.add_parser("demo", help="train a small transformer and sync it to rollout ranks, verified",
-                       formatter_class=_Defaults)
+                       description="Train a small transformer with FSDP2 trainer ranks and send its weights "
+                       "to rollout ranks after every optimizer step, each checked bitwise, next to the "
+                       "floor of the same bytes measured in the same run.", formatter_class=_Defaults)
+    from weightbus.demo import HEADS
     from weightbus.engines.api import CheckpointEngineRegistry
     d.add_argument("--backend", default="gloo", choices=CheckpointEngineRegistry.names(),
-                   help="engine backend (default: gloo)")
+                   help="the weightbus engine that moves the weights (default: gloo)")
     d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",
                    help="rollout ranks: plain torch modules (default) or a real vLLM engine")
-    d.add_argument("--trainers", type=int, default=2)
-    d.add_argument("--rollouts", type=int, default=2)
-    d.add_argument("--steps", type=int, default=3)
-    d.add_argument("--dim", type=int, default=512)
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--bucket-mb", type=int, default=16)
-    d.add_argument("--json", help="also write the rows as JSON to this file")
-    d.set_defaults(fn=_demo)
+    d.add_argument("--trainers", type=_int(1, 64, what=" (trainer processes on this host)"), default=2,
+                   help="FSDP2 trainer ranks, each a process")
+    d.add_argument("--rollouts", type=_int(1, 64, what=" (rollout processes on this host)"),
+                   help="rollout ranks, each a process (default: 2; --rollout vllm: its one engine)")
+    d.add_argument("--steps", type=_int(1, what=" (optimizer steps, one update after each)"), default=3,
+                   help="optimizer steps; the weights are sent after each one")
+    d.add_argument("--dim", type=_int(HEADS, 1 << 16, multiple=HEADS, what=f" (the model's {HEADS} "
+                   f"attention heads share it)"),
+                   help="the model's width (default: 512; --rollout vllm: 256, a multiple of 128)")
+    d.add_argument("--layers", type=_int(1, 1024, what=" (transformer blocks)"), default=4,
+                   help="the model's transformer blocks")
+    d.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
+                   help="bucket size in MiB (default: 16; not for shm or disk, which write whole versions)")
+    d.add_argument("--cache-dir", type=_directory, metavar="DIR",
+                   help="--backend disk: make the cache in a fresh directory inside DIR, removed at the end "
+                        f"(default: {tempfile.gettempdir()})")
+    d.add_argument("--verbose", action="store_true",
+                   help="print the engines' own logs and warnings here (default: into a log file, named "
+                        "in one line)")
+    d.add_argument("--json", type=_out_file, metavar="FILE", help="also write the rows as JSON to this file")
+    d.set_defaults(fn=_demo, parser=d)
     from weightbus import presets
     from weightbus.bench import DISAGG_BACKENDS, SCENARIOS, TRAINER_DTYPES
     b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run",
-                       formatter_class=_Defaults)
+                       description="Model-shaped weight syncs, each next to its floor measured in the same "
+                       "run, every rollout tensor checked.", formatter_class=_Defaults)
     b.add_argument("--scenario", action="append", choices=SCENARIOS,
                    help="repeatable; default: every one this machine can run")
     b.add_argument("--preset", action="append", choices=presets.names(), metavar="PRESET",
                    help=f"repeatable, one of {', '.join(presets.names())}; default: tiny on CPU, 8b on GPU")
-    b.add_argument("--layers", type=int, help="keep only the first N decoder layers of the preset")
-    b.add_argument("--tensors", type=int, help="stress preset: N flat tensors (default 100000 if "
-                   "--tensor-bytes is given)")
-    b.add_argument("--tensor-bytes", type=int, help="stress preset: bf16 bytes per tensor "
-                   "(default 1024 if --tensors is given)")
+    b.add_argument("--layers", type=_int(1, what=" (decoder layers)"),
+                   help="keep only the first N decoder layers of the preset")
+    b.add_argument("--tensors", type=_int(1, 10_000_000, what=" (tensors of the stress preset)"),
+                   help="stress preset: N flat tensors (default 100000 if --tensor-bytes is given)")
+    b.add_argument("--tensor-bytes", type=_int(2, multiple=2, what=" (an even tensor size: bf16 bytes)"),
+                   help="stress preset: bf16 bytes per tensor (default 1024 if --tensors is given)")
     b.add_argument("--trainer-dtype", choices=list(TRAINER_DTYPES), default="fp32",
                    help="the trainer's weights (bf16 on the wire either way)")
     b.add_argument("--backend", action="append", choices=list(DISAGG_BACKENDS),
                    help="repeatable: the disaggregated scenario's engine, each next to its own raw "
                         "transfer (default: nccl on a GPU, gloo without)")
-    b.add_argument("--receivers", type=int, default=1,
+    b.add_argument("--receivers", type=_int(1, 64, what=" (rollout processes on this host)"), default=1,
                    help="rollout ranks of the disaggregated scenario (CPU: processes of this host)")
     b.add_argument("--topology", choices=["auto", "chain", "tree", "direct"],
-                   help="the nixl engine's forwarding tree (default auto: a chain on equal links)")
-    b.add_argument("--delta", type=float, metavar="FRACTION",
-                   help="disaggregated: each round change this fraction of the trainer's elements "
-                        "(one bf16 step each) and time a delta-mode update next to the dense one")
-    b.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up")
-    b.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default: sized from free memory)")
-    b.add_argument("--json", help="write the rows as JSON to this file")
-    b.add_argument("--plot", help="draw weightbus next to its floor per row into this SVG file")
-    b.set_defaults(fn=_bench)
-    args = p.parse_args(argv)
+                   help="--backend nixl: its forwarding tree (default auto: a chain on equal links)")
+    b.add_argument("--delta", type=_fraction, metavar="FRACTION",
+                   help="--scenario disaggregated (chosen by it): each round change this fraction of the "
+                        "trainer's elements (one bf16 step each) and time a delta-mode update next to "
+                        "the dense one")
+    b.add_argument("--iters", type=_int(1, what=" (timed iterations)"), default=5,
+                   help="timed iterations, after one warm-up")
+    b.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
+                   help="bucket size in MiB (default: sized from free memory)")
+    b.add_argument("--json", type=_out_file, metavar="FILE", help="write the rows as JSON to this file")
+    b.add_argument("--plot", type=_out_file, metavar="FILE",
+                   help="draw weightbus next to its floor per row into this SVG file")
+    b.set_defaults(fn=_bench, parser=b)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.fn(args)
 
 

@@ -4,7 +4,8 @@ Trainer ranks train a small transformer with FSDP2 (``fully_shard`` over gloo) f
 optimizer steps; after every step the weights (bf16 on the wire) go to the rollout
 ranks through a weightbus engine, each rollout rank loads them into its own copy of the
 model and is checked bitwise against the trainer's full weights. At the end the same
-bytes are broadcast raw over the same groups: the floor the engine is measured against.
+bytes go over the engine's own path with nothing of the engine around them (a raw
+broadcast, raw one-sided writes or reads, a bulk copy): the floor it is measured against.
 """
 
 from __future__ import annotations
@@ -12,26 +13,41 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import mmap
 import os
+import secrets
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightbus.bench import raw_broadcast
+from weightbus.bench import raw_broadcast, raw_mooncake, raw_nixl
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.engines.cache import CacheEngine
+from weightbus.engines.collective import CollectiveEngine
+from weightbus.engines.colocated import ColocatedEngine
+from weightbus.engines.mooncake import MooncakeEngine
+from weightbus.engines.nixl import NixlEngine
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
+
+#: attention heads of the demo's model: its width must be a multiple of them
+HEADS = 4
+#: the cache backends: whole versions published into a directory, no buckets
+CACHE_BACKENDS = ("shm", "disk")
 
 
 class TinyTransformer(nn.Module):
     """A small decoder-only transformer (pre-norm blocks, causal mask, untied head)."""
 
-    def __init__(self, vocab: int = 4096, dim: int = 256, layers: int = 4, heads: int = 4,
+    def __init__(self, vocab: int = 4096, dim: int = 256, layers: int = 4, heads: int = HEADS,
                  max_len: int = 128):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
@@ -69,6 +85,39 @@ class DemoConfig:
     vocab: int = 8192
     bucket_mb: int = 16
     timeout: float = 120.0
+    #: disk: the directory this run's cache is made in (a fresh one inside it; default: the
+    #: temp directory); removed at the end, like shm's
+    cache_dir: str | None = None
+    cache_root: str = ""  # set by run_demo: this run's own cache directory (shm, disk)
+
+    def __post_init__(self) -> None:  # (the CLI checks each option before, naming it)
+        for name in ("trainers", "rollouts", "steps", "layers", "bucket_mb"):
+            if not 1 <= getattr(self, name):
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim < HEADS or self.dim % HEADS:
+            raise ValueError(f"dim must be a positive multiple of the {HEADS} attention heads, "
+                             f"got {self.dim}")
+
+    def params(self) -> int:
+        """TinyTransformer's parameter count, counted (building even a meta model of a large
+        width takes seconds): embedding, head, positions, blocks of 12 d^2 + 13 d, a norm."""
+        d = self.dim
+        return 2 * self.vocab * d + 128 * d + self.layers * (12 * d * d + 13 * d) + 2 * d
+
+    def host_bytes(self) -> int:
+        """About the host memory the demo needs at its peak, every process together: fp32
+        weights, gradients and 2 Adam moments over the trainers with their gathers and
+        activations, a bf16 copy per rollout, 2 buckets per rank, each process's torch."""
+        procs = self.trainers + self.rollouts + 1
+        buckets = 0 if self.backend in CACHE_BACKENDS else 2 * (self.bucket_mb << 20) * (procs - 1)
+        return self.params() * (20 + 2 * self.rollouts) + buckets + procs * (250 << 20)
+
+    def shm_bytes(self) -> int:
+        """/dev/shm the demo needs: shm keeps 2 bf16 versions there (and the floor's file),
+        colocated its trainers' bucket rings."""
+        if self.backend == "shm":
+            return 3 * 2 * self.params()
+        return 2 * (self.bucket_mb << 20) * self.trainers if self.backend in ("colocated", "naive") else 0
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, vocab: int, rank: int) -> float:
@@ -103,9 +152,10 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         model = model.to(torch.bfloat16)
+    place = {"path": cfg.cache_root} if cfg.backend in CACHE_BACKENDS else \
+        {"bucket_size": cfg.bucket_mb << 20}
     engine: CheckpointEngine = CheckpointEngineRegistry.new(
-        cfg.backend, bucket_size=cfg.bucket_mb << 20, role="trainer" if is_trainer else "rollout",
-        timeout=cfg.timeout)
+        cfg.backend, role="trainer" if is_trainer else "rollout", timeout=cfg.timeout, **place)
     connect(engine, rdv, T, R)
     rows = []
     for step in range(1, cfg.steps + 1):
@@ -126,7 +176,8 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
             got = {n: digest(t) for n, t in model.state_dict().items()}
             rows.append({"step": step, "got": got, "version": engine.version, "seconds": seconds,
                          "bytes": engine.last_stats.bytes if engine.last_stats else 0})
-    floor = _floor(engine, rdv, T, R, cfg) if cfg.backend == "gloo" else None
+    nbytes = rdv.all_gather(rows[-1]["bytes"] if rank == 0 else None)[0]
+    floor = _floor(engine, rdv, nbytes)
     gather = _gather_seconds(engine, model, rdv) if is_trainer else None
     if not is_trainer:
         rdv.all_gather(None)
@@ -138,43 +189,136 @@ def _gather_seconds(engine: CheckpointEngine, model: nn.Module, rdv: Rendezvous)
     """Seconds the trainers spend gathering their FSDP2 shards for one update (the part of
     an update that is the trainer's own collective, not the link to the rollouts)."""
     source = ModuleSource(model, dtype=torch.bfloat16)
-    plan = engine._plan(source.manifest)  # type: ignore[attr-defined]
-    rank = engine.trainer_rank  # type: ignore[attr-defined]
+    if isinstance(engine, CacheEngine):  # trainer rank 0 writes the whole version
+        owners: Callable[[int], frozenset[int]] = lambda i: frozenset({0})  # noqa: E731
+        rank = engine.rank
+    else:  # each tensor goes to the trainer ranks that pack it
+        owners = engine._plan(source.manifest).owners_of  # type: ignore[attr-defined]
+        rank = engine.trainer_rank  # type: ignore[attr-defined]
     best = math.inf
     for _ in range(3):
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in source.iter_for(plan.owners_of, rank):
+        for _ in source.iter_for(owners, rank):
             pass
         best = min(best, time.perf_counter() - t0)
     rdv.all_gather(None)
     return best
 
 
-def _floor(engine: CheckpointEngine, rdv: Rendezvous, T: int, R: int, cfg: DemoConfig) -> float:
-    """Seconds for a raw broadcast of the same buckets over the engine's own data groups
-    (no packing, no unpacking, no checks): what the link alone costs."""
-    plan = engine._plan(next(iter(engine._manifests.values())))  # type: ignore[attr-defined]
-    bufs = [torch.empty(engine.bucket_size, dtype=torch.uint8) for _ in range(2)]
+#: what the floor of each engine family is, for the table's footnote
+FLOORS = {
+    CollectiveEngine: "a raw broadcast of the same buckets over the same groups",
+    NixlEngine: "raw one-sided writes of the same buckets from each trainer rank to the head of its chain",
+    MooncakeEngine: "raw reads of the same buckets from the trainer ranks' slots by every rollout rank",
+    ColocatedEngine: "one bulk copy of the same bytes on every rollout rank at once (the copy into the "
+                     "rollout's model, which no shared-memory path skips)",
+    CacheEngine: "the same bytes written once into a file in the cache's directory, then copied out of "
+                 "it on every rollout rank",
+}
+
+
+def floor_note(backend: str) -> str:
+    """The footnote that says what the demo's floor is for ``backend`` (or why it has none)."""
+    cls = CheckpointEngineRegistry.get(backend)
+    for family, what in FLOORS.items():
+        if issubclass(cls, family):
+            return f"floor: {what}, best of 3, same run;"
+    return (f"floor: n/a: the demo knows no raw transfer for {cls.__name__} ('{backend}') to measure "
+            f"(ratio: -);")
+
+
+def _floor(engine: CheckpointEngine, rdv: Rendezvous, nbytes: int) -> float | None:
+    """Seconds the same bytes take over the engine's own path with nothing of the engine
+    around them (no packing, unpacking, control words or checks): what the link or the
+    memory alone costs. Best of 3, the slowest rank's; None where no floor is known."""
+    run = _floor_fn(engine, rdv, nbytes)
+    if run is None:
+        return None
     best = math.inf
     for _ in range(3):
         rdv.all_gather(None)  # start together
         t0 = time.perf_counter()
-        raw_broadcast(engine, plan, bufs)
+        run()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
         best = min(best, max(rdv.all_gather(time.perf_counter() - t0)))
+    if isinstance(engine, CacheEngine) and engine.role == "trainer" and engine.rank == 0:
+        os.unlink(os.path.join(engine.root, ".floor"))
     return best
+
+
+def _floor_fn(engine: CheckpointEngine, rdv: Rendezvous, nbytes: int) -> Callable[[], Any] | None:
+    """This rank's part of the floor (the other ranks of a one-sided transfer do nothing)."""
+    nothing = lambda: None  # noqa: E731
+    trainer = engine.role == "trainer"
+    if isinstance(engine, CacheEngine):
+        return _cache_floor(engine, rdv, nbytes)
+    if isinstance(engine, ColocatedEngine):
+        if trainer:
+            return nothing
+        src = torch.ones(nbytes, dtype=torch.uint8, device=engine.device)  # (touched: no page faults timed)
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=engine.device)
+        return lambda: dst.copy_(src)
+    if not isinstance(engine, (CollectiveEngine, NixlEngine, MooncakeEngine)):
+        return None
+    plan = engine._plan(next(iter(engine._manifests.values())))
+    if isinstance(engine, NixlEngine):
+        return (lambda: raw_nixl(engine, plan)) if trainer else nothing
+    if isinstance(engine, MooncakeEngine):
+        return nothing if trainer else (lambda: raw_mooncake(engine, plan))
+    bufs = [torch.empty(engine.bucket_size, dtype=torch.uint8, device=engine.device) for _ in range(2)]
+    return lambda: raw_broadcast(engine, plan, bufs)
+
+
+def _cache_floor(engine: CacheEngine, rdv: Rendezvous, nbytes: int) -> Callable[[], Any]:
+    """Trainer rank 0 writes the bytes into a file of the cache's directory (mapped and
+    flushed, as a version is; the file is kept between rounds, as the engine recycles an
+    old version's), then every rollout rank copies them out of its own mapping."""
+    path = os.path.join(engine.root, ".floor")  # (not a version: readers never look at it)
+    writer = engine.role == "trainer" and engine.rank == 0
+    src = torch.ones(nbytes, dtype=torch.uint8) if writer else None
+    dst = torch.zeros(nbytes, dtype=torch.uint8) if engine.role == "rollout" else None
+
+    def run() -> None:
+        if src is not None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, max(1, nbytes))
+                m = mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            torch.frombuffer(m, dtype=torch.uint8, count=nbytes).copy_(src)
+            m.flush()
+            m.close()
+        rdv.all_gather(None)  # written: the readers start
+        if dst is not None:
+            with open(path, "rb") as f:
+                m = mmap.mmap(f.fileno(), max(1, nbytes), access=mmap.ACCESS_COPY)
+            dst.copy_(torch.frombuffer(m, dtype=torch.uint8, count=nbytes))
+            m.close()
+    return run
 
 
 def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
     """Runs the demo; returns one row per update. Raises if any rank failed or any
     rollout rank's weights differ from the trainer's."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.backend == "shm":  # a cache of this run's own (never another's), removed at the end
+        cfg = replace(cfg, cache_root=CheckpointEngineRegistry.new(
+            "shm", cache_name=f"demo-{os.getpid()}-{secrets.token_hex(4)}").root)  # type: ignore[attr-defined]
+    elif cfg.backend == "disk":  # a fresh directory inside the given one: the owner removes its cache
+        cfg = replace(cfg, cache_root=tempfile.mkdtemp(prefix="weightbus-demo-", dir=cfg.cache_dir))
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     train_store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     train_port = train_store.port
     del train_store  # frees the port for the trainers' own default group
-    results = spawn(_worker, cfg.trainers + cfg.rollouts, (cfg, store.port, train_port),
-                    timeout=cfg.timeout * (cfg.steps + 3))
+    try:
+        results = spawn(_worker, cfg.trainers + cfg.rollouts, (cfg, store.port, train_port),
+                        timeout=cfg.timeout * (cfg.steps + 3))
+    finally:  # the owner removes it when it finalizes; not when a rank failed before that
+        if cfg.cache_root:
+            shutil.rmtree(cfg.cache_root, ignore_errors=True)
     trainer0 = results[0]
     report = []
     for i, row in enumerate(trainer0["rows"]):

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightbus import buffers, comm
+from weightbus import buffers, comm, config
 from weightbus.engines import delta as delta_mode
 from weightbus.engines.api import (
     Batch,
@@ -60,15 +60,19 @@ class BucketEngine(CheckpointEngine):
     a receiver checks every one of its destination tensors against the running digest of
     what it was sent every this many delta updates (1, the default: every update; one read
     of the destinations), so a copy that drifted where no patch touched it fails the update,
-    naming the tensors, and is resent whole; 0 never checks."""
+    naming the tensors, and is resent whole; 0 never checks (default: ``WEIGHTBUS_DELTA_VERIFY``,
+    else 1)."""
 
     #: whether ``delta=True`` works over this engine's transport (one control group)
     supports_delta: ClassVar[bool] = True
 
-    def __init__(self, *args: Any, delta: bool = False, verify_every: int = 1, **kwargs: Any):
+    def __init__(self, *args: Any, delta: bool = False, verify_every: int | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if not isinstance(delta, bool):
             raise PlanError(f"delta must be True or False, got {delta!r}")
+        if verify_every is None:
+            verify_every = config.env_integer("WEIGHTBUS_DELTA_VERIFY", minimum=0)
+            verify_every = 1 if verify_every is None else verify_every
         if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
             raise PlanError(f"verify_every must be a whole number of updates >= 0 (0: never check), got "
                             f"{verify_every!r}")

@@ -20,6 +20,16 @@ mid-write leaves only its temporary file, which readers never look at and the ne
 publisher removes; a cache directory whose owner is gone is removed by the next owner on
 the host (``sweep_stale_caches``), and an owner that finalizes removes its own.
 
+A full file system (or /dev/shm) is an error of the publish, never a signal: a new file's
+blocks are reserved (``posix_fallocate``) before it is mapped, so a write into the map can
+never meet a page the file system cannot back (SIGBUS); the error names the file, the bytes
+needed and the bytes free, the temporary file is removed and the newest version stays
+published. A version file that is not what the publisher wrote (garbage or truncated
+header, a dtype or offsets that do not fit) is an error of the reader that names the file,
+the version and what is wrong; the reader moves it out of sight (``.v-broken-*``, removed
+at the next publish) or, where it cannot, skips it from then on, so the next pull gets the
+newest intact version.
+
 The files are plain safetensors (any tool reads them; the metadata carries the version
 and the order the publisher sent the tensors in). We lay out the format ourselves: the
 ``safetensors`` library writes only from tensors in memory, and reads by copying, where a
@@ -30,10 +40,16 @@ view, with no gap (the format forbids gaps).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
+import logging
+import math
 import mmap
 import os
+import re
+import resource
 import secrets
 import shutil
 import time
@@ -52,7 +68,7 @@ from weightbus.engines.api import (
     WeightStream,
     check_sides,
 )
-from weightbus.engines.streams import fetch, resolve_stream
+from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Manifest, TensorMeta
 
@@ -64,6 +80,10 @@ SAFETENSORS_DTYPES = {
 _FROM_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _PREFIX = "wbcache_"
 _OWNER = "owner.pid"
+_TMP = ".v-tmp-"
+_BROKEN = ".v-broken-"
+_VERSION = re.compile(r"v\d{20}\.safetensors")  # a version file's name (see _final)
+_log = logging.getLogger("weightbus")
 
 
 def _final(root: str, version: int) -> str:
@@ -106,14 +126,10 @@ def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
     return swept
 
 
-class _Writer:
-    """One version being written: a temporary file of its final size, mapped, with a typed
-    view per tensor (manifest order)."""
+class _Layout:
+    """Where each tensor of a manifest goes in a version's file, and the file's size."""
 
-    def __init__(self, root: str, manifest: Manifest, recycle: int | None = None):
-        """``recycle``: an open, exclusively locked descriptor of an old version's file that
-        no reader holds: its pages are reused (a fresh tmpfs file pays a page allocation
-        per 4 KiB, ~0.5 s per GB here)."""
+    def __init__(self, manifest: Manifest):
         metas = list(manifest)
         layout = sorted(range(len(metas)), key=lambda i: -metas[i].itemsize)  # aligned, no gaps
         offsets: dict[int, tuple[int, int]] = {}
@@ -129,30 +145,68 @@ class _Writer:
         header["__metadata__"] = {"format": "pt", "weightbus_order": json.dumps([m.name for m in metas])}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
+        self.metas, self.offsets, self.raw = metas, offsets, raw
         self.start = 8 + len(raw)
         self.size = self.start + pos
-        self.tmp = os.path.join(root, f".v-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give a new file ``size`` bytes of real blocks now: on a full file system (or past a
+    file-size limit) this fails with ENOSPC (EFBIG) here, where a sparse file would let the
+    mmap writes meet a page nothing backs, and the publisher die of SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # a file system that cannot reserve at all: as before
+
+
+class _Writer:
+    """One version being written: a temporary file of its final size, mapped, with a typed
+    view per tensor (manifest order)."""
+
+    def __init__(self, root: str, layout: _Layout, recycle: int | None = None):
+        """``recycle``: an open, exclusively locked descriptor of an old version's file of
+        ``layout.size`` bytes that no reader holds: its pages are reused (a fresh tmpfs file
+        pays a page allocation per 4 KiB, ~0.5 s per GB here), and being the same size it
+        needs no new block. Raises OSError with nothing left behind."""
+        self.t0 = time.perf_counter()
+        self.start, self.size, self.tensors = layout.start, layout.size, len(layout.metas)
+        self.tmp = os.path.join(root, f"{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
+        self.views: list[torch.Tensor] = []
+        self._map: mmap.mmap | None = None
         self._fd = recycle  # held (locked) until the version is published
-        if recycle is None:
-            fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        else:
-            fd = recycle
-            os.rename(_path_of(fd), self.tmp)  # out of sight before it is overwritten
         try:
-            os.ftruncate(fd, max(1, self.size))
-            # a recycled file's pages exist: map them all at once instead of a fault per page
-            populate = getattr(mmap, "MAP_POPULATE", 0) if recycle is not None else 0
-            self._map = mmap.mmap(fd, max(1, self.size), flags=mmap.MAP_SHARED | populate)
-        finally:
             if recycle is None:
-                os.close(fd)
+                fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    _reserve(fd, self.size)
+                    self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+                finally:
+                    os.close(fd)
+            else:
+                os.rename(_path_of(recycle), self.tmp)  # out of sight before it is overwritten
+                # its pages exist: map them all at once instead of a fault per page
+                populate = getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(recycle, self.size, flags=mmap.MAP_SHARED | populate)
+        except BaseException as e:
+            self.abandon()
+            if isinstance(e, OSError) and e.filename is None:
+                e.filename = self.tmp  # (posix_fallocate's and mmap's errors name no file)
+            raise
+        raw = layout.raw
         self._map[:8] = len(raw).to_bytes(8, "little")
         self._map[8:self.start] = raw
         whole = torch.frombuffer(self._map, dtype=torch.uint8, count=self.size)
+        offsets = layout.offsets
         self.views = [whole[self.start + offsets[i][0]:self.start + offsets[i][1]].view(m.dtype).view(m.shape)
-                      for i, m in enumerate(metas)]
+                      for i, m in enumerate(layout.metas)]
 
     def commit(self, root: str, version: int) -> str:
+        """Make it ``v<version>``; raises OSError (msync's, rename's) with the file still
+        temporary: the caller abandons it."""
+        assert self._map is not None
         self.views = []
         self._map.flush()
         try:
@@ -171,10 +225,11 @@ class _Writer:
 
     def abandon(self) -> None:
         self.views = []
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
         try:
             os.unlink(self.tmp)
         except OSError:
@@ -216,30 +271,84 @@ def _lock(path: str, exclusive: bool) -> int | None:
     return fd
 
 
+class CorruptVersion(WeightSyncError):
+    """A version file in a cache that is not a version the publisher wrote (garbage or
+    truncated header, a dtype or offsets that do not fit); names the file, the version and
+    what is wrong."""
+
+    def __init__(self, path: str, what: str, where: str = ""):
+        name = os.path.basename(path)
+        version = (name[1:-len(".safetensors")].lstrip("0") or "0") if name.startswith("v") else "?"
+        super().__init__(f"{where}{': ' if where else ''}version {version} in the cache ({path}) is "
+                         f"broken: {what}")
+        self.path, self.what = path, what
+
+
 def read_version(path: str, fd: int | None = None) -> list[tuple[str, torch.Tensor]]:
     """A complete version file, mapped: ``[(name, view)]`` in the publisher's order (from
-    ``fd`` where the caller holds it open, locked)."""
+    ``fd`` where the caller holds it open, locked). A file that is not a whole version
+    raises :class:`CorruptVersion`; the checks are per file, and per tensor only what the
+    views cost anyway (a bad entry is explained once it failed)."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
+        if size < 8:
+            raise CorruptVersion(path, f"it has {size} bytes, fewer than the 8 of its header's length "
+                                       f"(truncated)")
         m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: reading copies nothing
     finally:
         if own:
             os.close(fd)
     n = int.from_bytes(m[:8], "little")
-    header = json.loads(bytes(m[8:8 + n]))
-    meta = header.pop("__metadata__", {})
+    if n > size - 8:
+        raise CorruptVersion(path, f"its header's length says {n} bytes, the file has {size - 8} after it "
+                                   f"(truncated, or not a safetensors file)")
+    try:
+        header = json.loads(bytes(m[8:8 + n]))
+        meta = header.pop("__metadata__", {})
+        order = json.loads(meta.get("weightbus_order", "null")) or list(header)
+        ok = len(order) == len(header) and set(order) == header.keys()
+    except (ValueError, TypeError, AttributeError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise CorruptVersion(path, f"its {n}-byte header is not a safetensors header ({e})") from None
+    if not ok:
+        raise CorruptVersion(path, f"its tensor order (weightbus_order, {len(order)} names) does not name "
+                                   f"the header's {len(header)} tensors once each")
     whole = torch.frombuffer(m, dtype=torch.uint8, count=size)
     start = 8 + n
-    order = json.loads(meta.get("weightbus_order", "null")) or list(header)
+    data = size - start
     out = []
-    for name in order:
-        h = header[name]
-        lo, hi = h["data_offsets"]
-        out.append((name, whole[start + lo:start + hi].view(_FROM_NAME[h["dtype"]]).view(h["shape"])))
+    name = None
+    try:
+        for name in order:
+            h = header[name]
+            lo, hi = h["data_offsets"]
+            if not 0 <= lo <= hi <= data:  # a slice past the end would be short, not an error
+                raise IndexError
+            out.append((name, whole[start + lo:start + hi].view(_FROM_NAME[h["dtype"]]).view(h["shape"])))
+    except Exception as e:  # noqa: BLE001 - said in words below, for the entry that failed
+        raise CorruptVersion(path, f"tensor {name!r}: {_bad_entry(header[name], data, e)}") from None
     return out
+
+
+def _bad_entry(h: Any, data: int, e: Exception) -> str:
+    """What is wrong with a header entry that did not make a view (the error path only)."""
+    try:
+        lo, hi = h["data_offsets"]
+        dtype = _FROM_NAME.get(h["dtype"])
+        if dtype is None:
+            return f"dtype {h['dtype']!r} is not one a cache holds ({', '.join(_FROM_NAME)})"
+        if not 0 <= lo <= hi:
+            return f"data_offsets [{lo}, {hi}] are not a range"
+        if hi > data:
+            return (f"data_offsets [{lo}, {hi}] end past the file's {data} bytes of data "
+                    f"(truncated)")
+        need = dtype.itemsize * math.prod(h["shape"])
+        return (f"dtype {h['dtype']} and shape {h['shape']} need {need} bytes, its data_offsets "
+                f"[{lo}, {hi}] hold {hi - lo}")
+    except Exception:  # noqa: BLE001 - an entry too malformed to take apart
+        return f"malformed header entry {h!r:.200} ({type(e).__name__}: {e})"
 
 
 @CheckpointEngineRegistry.register("shm")
@@ -275,6 +384,8 @@ class CacheEngine(CheckpointEngineWithCache):
         self.rank = 0
         self._ready = False
         self._owner = False
+        self._made_root = False  # the publisher made the cache directory (finalize removes it)
+        self._broken: set[tuple[int, int, int, int]] = set()  # files found broken (when not moved)
 
     @property
     def root(self) -> str:
@@ -307,10 +418,20 @@ class CacheEngine(CheckpointEngineWithCache):
         return self
 
     def finalize(self, destroy_group: bool = False) -> None:
-        """With ``destroy_group``, an owner removes its cache directory (readers that hold a
-        version keep reading it)."""
+        """With ``destroy_group``, an owner removes the cache's own files (versions, temporary
+        and set-aside ones, its owner mark; readers that hold a version keep reading it), and
+        the directory if it made it and nothing else is in it: a ``path=`` of the user's
+        (``/tmp``, a run directory) keeps everything else it holds."""
         if destroy_group and self._owner:
-            shutil.rmtree(self.root, ignore_errors=True)
+            root = self.root
+            with contextlib.suppress(OSError):
+                for n in os.listdir(root):
+                    if n == _OWNER or n.startswith((_TMP, _BROKEN)) or _VERSION.fullmatch(n):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(root, n))
+            if self._made_root:
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)  # (only if empty)
             self._owner = False
         self._ready = self._ready and not destroy_group
 
@@ -322,11 +443,15 @@ class CacheEngine(CheckpointEngineWithCache):
         root = self.root
         if self.backend == "shm":
             sweep_stale_caches(os.path.dirname(root))
-        os.makedirs(root, exist_ok=True)
-        with open(os.path.join(root, _OWNER), "w") as f:
-            f.write(str(os.getpid()))
+        try:
+            self._made_root = self._made_root or not os.path.isdir(root)
+            os.makedirs(root, exist_ok=True)
+            with open(os.path.join(root, _OWNER), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
+            raise self._cannot_write("take the cache", os.path.join(root, _OWNER), 16, e) from e
         for n in os.listdir(root):
-            if n.startswith(".v-tmp-"):
+            if n.startswith(_TMP):
                 try:
                     pid = int(n.split("-")[2])
                 except (IndexError, ValueError):
@@ -337,6 +462,23 @@ class CacheEngine(CheckpointEngineWithCache):
                     except OSError:
                         pass
         self._owner = True
+
+    def _cannot_write(self, doing: str, path: str, needed: int, e: OSError) -> WeightSyncError:
+        """A failed write as one error that says where, how many bytes it needed and how
+        many are free (a full file system or /dev/shm, a file-size limit, a quota)."""
+        try:
+            st = os.statvfs(os.path.dirname(path))
+            free = f"{st.f_bavail * st.f_frsize} bytes are free there"
+        except OSError:
+            free = "the free space is unknown"
+        why = f"{errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror or e}"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if e.errno == errno.EFBIG and limit != resource.RLIM_INFINITY:
+            why += f"; this process may write files of at most {limit} bytes (RLIMIT_FSIZE)"
+        newest = _versions(self.root)
+        kept = f"the cache keeps version {newest[-1]}" if newest else "the cache holds no version"
+        return WeightSyncError(f"{self.where()}: cannot {doing}: writing {path} failed ({why}); it needs "
+                               f"{needed} bytes, {free}; nothing was left behind and {kept}")
 
     def _check(self, role: str) -> None:
         if not self._ready:
@@ -352,7 +494,7 @@ class CacheEngine(CheckpointEngineWithCache):
         start = time.perf_counter()
         with self._exclusive("send_weights"):
             stream = resolve_stream(weights, None)
-            writer = self.writer(stream.manifest) if self.rank == 0 else None
+            writer = self.writer(stream.manifest, version) if self.rank == 0 else None
             try:
                 held = stream.checked_tensors()
                 if held is not None:
@@ -361,7 +503,11 @@ class CacheEngine(CheckpointEngineWithCache):
                 else:
                     it = stream.open(None, lambda i: frozenset({0}), self.rank)
                     for i, meta in enumerate(stream.manifest):
-                        t = fetch(it, meta, i, stream.strict_dtype)
+                        try:
+                            t = fetch(it, meta, i, stream.strict_dtype)
+                        except StreamBroken as e:  # the source's own error, said where it arose
+                            raise WeightSyncError(f"{self.where()}: the weight stream raised at "
+                                                  f"{meta.describe()}: {e.__cause__}") from e.__cause__
                         if writer is not None and t is not None:
                             writer.views[i].copy_(t)
                     extra = next(it, None)
@@ -381,29 +527,56 @@ class CacheEngine(CheckpointEngineWithCache):
                                       time.perf_counter() - start, 0)
         return self.last_stats
 
-    def writer(self, manifest: Manifest) -> _Writer:
+    def writer(self, manifest: Manifest, version: int | None = None) -> _Writer:
         """A new version's file, to fill (``writer.views``, manifest order), then
         :meth:`publish` (a :class:`CacheRelay` fills it from any engine). The file of a
-        version that is about to leave the cache and that no reader holds is reused."""
+        version that is about to leave the cache, that no reader holds and that has the
+        size the new one needs is reused. A file that cannot be had (a full file system)
+        raises :class:`WeightSyncError` naming it, with nothing left behind."""
         self._own()
+        layout = _Layout(manifest)
         for old in _versions(self.root)[:-max(1, self.keep - 1)]:  # never the newest one
             fd = _lock(_final(self.root, old), exclusive=True)
-            if fd is not None:
-                return _Writer(self.root, manifest, recycle=fd)
-        return _Writer(self.root, manifest)
+            if fd is None:
+                continue
+            if os.fstat(fd).st_size == layout.size:  # never resized: a shrunk file would
+                break                                # SIGBUS a stray reader's pages past its end
+            os.close(fd)
+        else:
+            fd = None
+        try:
+            return _Writer(self.root, layout, recycle=fd)
+        except OSError as e:
+            what = "publish" if version is None else f"publish version {version}"
+            raise self._cannot_write(what, e.filename or self.root, layout.size, e) from e
 
     def publish(self, writer: _Writer, version: int) -> str:
         """Make the written version visible at once, whole; drop the old ones."""
-        version = config.version(version)
-        if version in _versions(self.root):
+        try:
+            version = config.version(version)
+            if version in _versions(self.root):
+                raise PlanError(f"{self.where()}: version {version} is in the cache already")
+            path = writer.commit(self.root, version)
+        except OSError as e:
             writer.abandon()
-            raise PlanError(f"{self.where()}: version {version} is in the cache already")
-        path = writer.commit(self.root, version)
+            raise self._cannot_write(f"publish version {version}", writer.tmp, writer.size, e) from e
+        except BaseException:
+            writer.abandon()
+            raise
         for old in _versions(self.root)[:-self.keep]:
             try:
                 os.unlink(_final(self.root, old))
             except FileNotFoundError:
                 pass
+        for n in os.listdir(self.root):  # files readers found broken and moved out of sight
+            if n.startswith(_BROKEN):
+                try:
+                    os.unlink(os.path.join(self.root, n))
+                except FileNotFoundError:
+                    pass
+        took = time.perf_counter() - writer.t0
+        _log.info("%s: version %d published: %d tensors, %d bytes in %.3f s (%.2f GB/s) at %s", self.where(),
+                  version, writer.tensors, writer.size, took, writer.size / 1e9 / max(took, 1e-9), path)
         return path
 
     # --- pull -------------------------------------------------------------------------------
@@ -412,6 +585,8 @@ class CacheEngine(CheckpointEngineWithCache):
         batch of views of the mapped file) whose ``.version`` says which; an empty one with
         ``.version = None`` when nothing newer is there. Reading it to the end makes it this
         engine's ``version``."""
+        if newer_than is not None:  # ('1', 1.5 or True would compare wrongly, or deep inside)
+            newer_than = config.version(newer_than, "newer_than")
         self._check("rollout")
         got = self._open_newest(newer_than)
         if got is None:
@@ -427,24 +602,49 @@ class CacheEngine(CheckpointEngineWithCache):
 
     def _open_newest(self, newer_than: int | None) -> tuple[int, int, list[tuple[str, torch.Tensor]]] | None:
         """(version, locked descriptor, views) of the newest version newer than asked for.
-        The shared lock keeps the publisher from recycling the file while it is read."""
+        The shared lock keeps the publisher from recycling the file while it is read. A
+        broken file raises :class:`CorruptVersion` once: it is moved out of sight (or, where
+        this reader may not, remembered), so the next pull gets the newest intact one."""
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:  # the newest may go between listing and locking it
             vs = [v for v in _versions(self.root) if newer_than is None or v > newer_than]
-            if not vs:
+            for v in reversed(vs):
+                path = _final(self.root, v)
+                fd = _lock(path, exclusive=False)
+                if fd is None:
+                    break  # gone meanwhile: list again
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._broken:
+                    os.close(fd)
+                    continue
+                try:
+                    return v, fd, read_version(path, fd)
+                except CorruptVersion as e:
+                    os.close(fd)
+                    raise self._set_aside(path, v, st, e) from None
+                except BaseException:
+                    os.close(fd)
+                    raise
+            else:
                 return None
-            path = _final(self.root, vs[-1])
-            fd = _lock(path, exclusive=False)
-            if fd is None:
-                time.sleep(0.001)
-                continue
-            try:
-                return vs[-1], fd, read_version(path, fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            time.sleep(0.001)
         raise WeightSyncError(f"{self.where()}: the cache at {self.root} changes faster than it can "
                               f"be opened")
+
+    def _set_aside(self, path: str, version: int, st: os.stat_result, e: CorruptVersion) -> CorruptVersion:
+        """Move a broken version out of every reader's sight (the next publish removes it)
+        or, where this reader may not, remember to skip it; the error to raise, once."""
+        self._broken.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        aside = os.path.join(self.root, f"{_BROKEN}{version}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, aside)
+            done = f"moved it to {aside}"
+        except FileNotFoundError:
+            done = "it was moved aside already"
+        except OSError as why:
+            done = f"cannot move it aside ({why.strerror}): this reader skips it from now on"
+        return CorruptVersion(path, f"{e.what}; {done}, and the next pull gets the newest intact version",
+                              where=self.where())
 
     def _yield(self, version: int, pin: _Pin, items: list[tuple[str, torch.Tensor]]) -> Iterator[list]:
         try:
@@ -490,8 +690,9 @@ class CacheEngine(CheckpointEngineWithCache):
             with self._exclusive("receive_weights"):
                 manifest = Manifest(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items)
                 if expected is not None and not expected.same_tensors(manifest):
-                    raise WeightSyncError(f"{self.where()}: version {version} in the cache differs from the "
-                                          f"expected manifest {expected.first_difference(manifest)}")
+                    raise WeightSyncError(f"{self.where()}: version {version} in the cache "
+                                          f"({_final(self.root, version)}) differs from the expected "
+                                          f"manifest {expected.first_difference(manifest)}")
                 if validate is not None:
                     try:
                         validate(manifest)

@@ -177,7 +177,9 @@ class LinkedEngine(BucketEngine):
         """Rollout side: rank ``rank`` of a replica of ``size`` ranks joins the trainers
         (which call :meth:`link_replicas` with ``(link, size)`` at the same time)."""
         T = len(trainer_metadata)
-        self._take_place(T + rank, T, size, agree_buffers(T, trainer_metadata))
+        # (this rank's say too: a joiner built with another num_buffers or delta is refused
+        # here, naming both, not in its first update)
+        self._take_place(T + rank, T, size, agree_buffers(T, [*trainer_metadata, self.buffer_metadata()]))
         self._open()
         m = trainer_metadata[0]
         self._connect(m["addr"], m["port"], m["token"])

@@ -9,7 +9,9 @@ pressure). A directory is read the way ``transformers`` writes it: the shards na
 Everything that can be wrong with the files (a missing shard, a truncated or unreadable
 file, an index naming a tensor that no shard holds) is found when the source is made and
 named in one error, so a trainer's ``weights_source()`` that builds it fails the update on
-every rank at its header.
+every rank at its header. A shard that changes size after that (truncated or rewritten
+before it is streamed) is found as the stream opens it: the error names the shard, the
+tensor it was to give and the sizes then and now.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ class SafetensorsSource:
         self.dtype = dtype
         safe_open = _safe_open()
         files = self._files()
-        self._items: list[tuple[str, str, str]] = []  # (file, checkpoint name, rollout name)
+        # (file, checkpoint name, rollout name, its dtype and shape in the file)
+        self._items: list[tuple[str, str, str, str]] = []
+        self._sizes: dict[str, int] = {}  # each shard's size when its header was read
         metas: list[TensorMeta] = []
         for file, wanted in files:
             try:
+                self._sizes[file] = os.stat(file).st_size
                 with safe_open(file, framework="pt") as f:
                     names = list(f.keys())
                     info = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in names}
@@ -80,7 +85,7 @@ class SafetensorsSource:
                 out = name_map(n) if name_map is not None else n
                 if out is None:
                     continue
-                self._items.append((file, n, out))
+                self._items.append((file, n, out, f"{kind} {list(shape)}"))
                 metas.append(TensorMeta(out, self._wire(_DTYPES[kind]), shape))
         if not metas:
             raise PlanError(f"SafetensorsSource: {self.path} holds no tensor to send")
@@ -130,17 +135,38 @@ class SafetensorsSource:
         safe_open = _safe_open()
         handle, opened = None, None
         try:
-            for file, name, out in self._items:
+            for file, name, out, held in self._items:
                 if file != opened:
                     if handle is not None:
                         handle.__exit__(None, None, None)
-                    handle, opened = safe_open(file, framework="pt").__enter__(), file
+                        handle = None
+                    handle, opened = self._open(safe_open, file, name, held), file
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:  # noqa: BLE001 - e.g. the file changed under us
-                    raise PlanError(f"SafetensorsSource: reading {name!r} from {file}: {e}") from None
+                    raise PlanError(f"SafetensorsSource: reading {name!r} ({held} when the source was "
+                                    f"made) from {file}: {e}") from None
                 yield out, t
         finally:
             if handle is not None:
                 handle.__exit__(None, None, None)
 
+    def _open(self, safe_open: Any, file: str, name: str, held: str) -> Any:
+        """A shard, opened to read ``name`` (its first tensor in the stream), once it is
+        checked to be the size it had when the source read its header: a shard truncated
+        since then fails here, named, instead of as the library's bare error."""
+        then = self._sizes[file]
+        try:
+            now: int | str = os.stat(file).st_size
+        except OSError as e:
+            now = f"unreadable ({e.strerror})"
+        where = (f"SafetensorsSource: shard {file}, to read tensor {name!r} ({held}) "
+                 f"from it: it had {then} bytes when the source read its header")
+        if now != then:
+            cut = " (truncated)" if isinstance(now, int) and now < then else ""
+            raise PlanError(f"{where}, it has {now} now{cut}: it changed after the source was made; "
+                            f"make the source again once the checkpoint is written")
+        try:
+            return safe_open(file, framework="pt").__enter__()
+        except Exception as e:  # noqa: BLE001 - the library says what is wrong; we say where
+            raise PlanError(f"{where} and has as many now, but cannot be read: {e}") from None

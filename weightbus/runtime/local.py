@@ -104,12 +104,15 @@ def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: float = 300.0,
-          allow_fail: frozenset[int] = frozenset()) -> list[Any]:
+          allow_fail: frozenset[int] = frozenset(), grace: float = 15.0) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes; return their results by rank.
 
     Raises :class:`WeightbusError` naming every rank that failed (with its traceback),
     or that was still running after ``timeout`` seconds (it is killed). Ranks in
-    ``allow_fail`` may fail or die; their entry is then the error text.
+    ``allow_fail`` may fail or die; their entry is then the error text. Once a rank not
+    in ``allow_fail`` has failed, the others get ``grace`` seconds to end (they usually
+    wait on it: a rendezvous, a collective) before they are killed: the call fails then,
+    not at ``timeout``.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -118,7 +121,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
         p.start()
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
+    cut_short = False  # a rank failed: the rest were given ``grace``
     while len(results) < nprocs and time.monotonic() < deadline:
+        if not cut_short and any(not ok and r not in allow_fail for r, (ok, _) in results.items()):
+            cut_short, deadline = True, min(deadline, time.monotonic() + grace)
         try:
             rank, ok, value = out.get(timeout=0.2)
             results[rank] = (ok, value)
@@ -136,7 +142,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
                                               f"without a result"))
     for r, p in enumerate(procs):
         if r not in results:
-            results[r] = (False, f"still running after {timeout:.0f}s: killed")
+            results[r] = (False, f"still running {grace:.0f}s after another rank failed: killed"
+                          if cut_short else f"still running after {timeout:.0f}s: killed")
             p.kill()
         p.join(5)
     failed = {r: v for r, (ok, v) in results.items() if not ok and r not in allow_fail}

@@ -743,14 +743,14 @@ def digests(targets: list[torch.Tensor]) -> torch.Tensor:
     if not len(targets):
         return torch.zeros(0, dtype=torch.int64)
     size = targets.size
-    zero = torch.zeros_like(size)
-    rows = torch.stack([torch.full_like(size, DIGEST), targets.addr, size, targets.esize, zero, zero, zero,
-                        size], 1)
     if targets.device is not None:
-        if (lib := kernels.usable(targets[0])) is not None:
+        if (lib := kernels.usable(targets[0])) is not None:  # (a row each, written nowhere)
+            zero = torch.zeros_like(size)
+            rows = torch.stack([torch.full_like(size, DIGEST), targets.addr, size, targets.esize, zero, zero,
+                                zero, size], 1)
             return kernels.apply_many(lib, rows)[:, 0].clone()
         if gpu.usable(targets[0]) is not None:
-            return gpu.apply_many(rows, targets.device)[:, 0].clone()
+            return gpu.digests(targets.addr, size, targets.esize, targets.device)
     return torch.stack([_weighted_range(0, _bits(t).long()).cpu() for t in targets])
 
 

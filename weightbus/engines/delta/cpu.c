@@ -257,6 +257,38 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
         j++;                                                                                    \
     } while (0)
 
+/* A whole range's digest, sum(w(start + i) * x[i]) (the running check of a destination).
+ * Narrow elements (e <= 2, |x| < 2^16) in chunks of 128 at base b: the chunk's share is
+ * w(b) * S1 + 2654435761 * S2 with S1 = sum x[k], S2 = sum k * x[k] (k < 128): both fit
+ * 32-bit lanes, so the loop vectorizes (AVX2 where the CPU has it), ~4x the 64-bit
+ * multiply per element, which ran at a third of memory speed. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) /* (ifunc: Linux/glibc) */
+__attribute__((target_clones("avx2", "default")))
+#endif
+static uint64_t digest_narrow(const uint8_t *dst, int64_t n, int64_t start, int e) {
+    uint64_t sum = 0;
+    int64_t b = 0;
+    for (; b + 128 <= n; b += 128) {
+        int32_t s1 = 0, s2 = 0;
+        if (e == 2) {
+            const int16_t *x = (const int16_t *)(dst + 2 * b);
+            for (int32_t k = 0; k < 128; k++) { int16_t v; memcpy(&v, x + k, 2); s1 += v; s2 += k * v; }
+        } else {
+            const uint8_t *x = dst + b;
+            for (int32_t k = 0; k < 128; k++) { s1 += x[k]; s2 += k * x[k]; }
+        }
+        sum += weight(start + b) * (uint64_t)(int64_t)s1 + 2654435761u * (uint64_t)(int64_t)s2;
+    }
+    for (; b < n; b++) sum += weight(start + b) * load(dst + b * e, e);
+    return sum;
+}
+
+static uint64_t digest_wide(const uint8_t *dst, int64_t n, int64_t start, int e) {
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += weight(start + i) * load(dst + i * e, e);
+    return sum;
+}
+
 /* The receiver's writes, for E-byte elements (E a constant: each copy one move), into dst:
  * the first of n elements a record covers (start: its position in the tensor, for the
  * digest, which is read against dst before each write). sparse: k values at positions pos,
@@ -308,9 +340,7 @@ int64_t wb_diff_many(int64_t count, const int64_t *rows, uint8_t *out, int64_t r
         *digest = sum;                                                                          \
     }                                                                                           \
     static void digest_##E(const uint8_t *dst, int64_t n, int64_t start, uint64_t *digest) {    \
-        uint64_t sum = 0;                                                                       \
-        for (int64_t i = 0; i < n; i++) sum += weight(start + i) * load(dst + i * (E), E);      \
-        *digest = sum;                                                                          \
+        *digest = (E) <= 2 ? digest_narrow(dst, n, start, E) : digest_wide(dst, n, start, E);   \
     }
 
 APPLY(1)

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program (a multiple of 32: a block's bits are whole 32-bit words)
 WARPS = [8, 4]  # warps per program of the diff and the write (the fastest on an H100)
-_FULL, _SPARSE, _BITMAP, _DENSE, _DIGEST, _NONE = 0, 1, 2, 3, 4, -1  # as delta.py's kinds
+_FULL, _SPARSE, _BITMAP, _DENSE, _NONE = 0, 1, 2, 3, -1  # as delta.py's kinds
 _lock = threading.Lock()
 _kernels: Any = None
 _tried = False
@@ -262,8 +262,7 @@ def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     address, values address, k]`` of ``rows`` (int64, addresses on ``device``, one element
     size). Returns ``[our digest, status]`` per record, on the host, as
     ``cpu.apply_many``: status for positions, -1 or the first position out of
-    range; for a bitmap, its set bits (-1: a bit past its n); else 0. A ``DIGEST`` row
-    writes nothing: its digest is the whole range's, ``sum(w(start + i) * dst[i])``."""
+    range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
     with _on(device):
         return _apply_many(rows, device)
 
@@ -302,3 +301,32 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     status = torch.where(kind == _SPARSE, torch.where(out[:, 2] >= 1 << 62, -1, out[:, 2]),
                          torch.where(kind == _BITMAP, out[:, 1].clamp(min=-1), 0))
     return torch.stack([out[:, 0], status], 1)
+
+
+_SPAN = 16 * BLOCK  # elements per program of the whole-destination digest (its 32-bit sums allow 16 blocks)
+
+
+def digests(addr: torch.Tensor, n: torch.Tensor, esize: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each flat tensor's whole digest, ``sum(w(i) * x[i])`` (host int64 columns of their
+    addresses on ``device``, element counts and sizes): a launch per element size, a
+    program per ``_SPAN`` elements. Returns int64 on the host."""
+    ks = kernels()
+    out = torch.zeros(len(n), dtype=torch.int64)
+    with _on(device):
+        for e in esize.unique().tolist():
+            these = (esize == e).nonzero().squeeze(1)
+            spans = (n[these] + _SPAN - 1) // _SPAN
+            total = int(spans.sum())
+            if not total:
+                continue
+            item = torch.repeat_interleave(torch.arange(len(these)), spans, output_size=total)
+            off = (torch.arange(total) - (torch.cumsum(spans, 0) - spans)[item]) * _SPAN
+            tab = torch.cat([addr[these], n[these], item, off]).to(device, non_blocking=True)
+            k = len(these)
+            partial = torch.empty(total, dtype=torch.int64, device=device)
+            ks.digest[(total,)](tab[:k], tab[k:2 * k], tab[2 * k:2 * k + total], tab[2 * k + total:], partial,
+                                INT=_int(ks.tl, e), BLOCK=BLOCK, SPAN=_SPAN, NARROW=e <= 2, num_warps=8)
+            sums = torch.zeros(k, dtype=torch.int64, device=device)
+            sums.index_add_(0, tab[2 * k:2 * k + total], partial)
+            out[these] = sums.cpu()
+    return out

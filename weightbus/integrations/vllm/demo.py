@@ -12,6 +12,7 @@ so the two implementations agree token for token.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -90,8 +91,10 @@ class FSDPTrainer(WeightbusWorker):
 
 
 def run_vllm_demo(trainers: int = 2, steps: int = 3, backend: str = "gloo", hidden: int = 256,
-                  layers: int = 4, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Runs the demo; returns one row per update (``verified``: vLLM == transformers)."""
+                  layers: int = 4, timeout: float = 120.0, bucket_mb: int | None = None,
+                  ) -> list[dict[str, Any]]:
+    """Runs the demo; returns one row per update (``verified``: vLLM == transformers).
+    ``bucket_mb``: the engine's bucket size in MiB (None: its default)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import vllm
@@ -113,7 +116,8 @@ def run_vllm_demo(trainers: int = 2, steps: int = 3, backend: str = "gloo", hidd
 
     group = LocalWorkerGroup(FSDPTrainer, trainers, path, free_port(), name="trainer")
     replica = VLLMEngineReplica(OfflineLLMRollout(llm), name="vllm0")
-    mgr = CheckpointEngineManager(backend, group, [replica], timeout=timeout, pause_mode="keep")
+    sizes = {} if bucket_mb is None else {"bucket_size": bucket_mb << 20}
+    mgr = CheckpointEngineManager(backend, group, [replica], timeout=timeout, pause_mode="keep", **sizes)
     rows = []
     try:
         previous = vllm_greedy()
@@ -133,4 +137,5 @@ def run_vllm_demo(trainers: int = 2, steps: int = 3, backend: str = "gloo", hidd
         group.shutdown()
         replica.shutdown()
         llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(path, ignore_errors=True)  # the model made for the demo: nothing left behind
     return rows

@@ -315,6 +315,11 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
                 return None
             return f"vLLM's loader refuses tensor {current[0]}: {type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - reported as the reason
+            if isinstance(e, (KeyError, AttributeError, IndexError)) or "no module or parameter" in str(e):
+                # (the name looked up in the model: what failed is the name, not vLLM)
+                return (f"vLLM's {type(model).__name__} does not know tensor {current[0]}: no parameter "
+                        f"of its checkpoint format has that name (check the trainer's names, or the "
+                        f"source's name_map); its loader raised {type(e).__name__}: {e}")
             return f"vLLM's loader refuses tensor {current[0]}: {type(e).__name__}: {e}"
     finally:
         for p, had, prev in patched:

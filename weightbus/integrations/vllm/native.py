@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
 try:
     from vllm.distributed.weight_transfer.base import (
         TrainerInitInfo,
