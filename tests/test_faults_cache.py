@@ -51,6 +51,16 @@ def _version_file(root: str, v: int) -> str:
     return os.path.join(root, f"v{v:020d}.safetensors")
 
 
+def _publish(owner, versions) -> tuple[Mixed, dict[int, dict[str, str]]]:
+    """A model stepped and published at each version; what each version holds."""
+    model, published = Mixed(), {}
+    for v in versions:
+        model.step(v)
+        asyncio.run(owner.send_weights(ModuleSource(model), version=v))
+        published[v] = workers_cache.digests(model)
+    return model, published
+
+
 def _load(stream) -> tuple[int | None, dict[str, str]]:
     model = Mixed()
     asyncio.run(ModuleSink(model).load(stream))
@@ -167,11 +177,7 @@ def test_broken_version_is_named_once_then_the_cache_recovers(backend, kind, tmp
     owner = workers_cache.cache("trainer", backend, where, keep=2)
     reader = workers_cache.cache("rollout", backend, where)
     try:
-        model, published = Mixed(), {}
-        for v in (1, 2):
-            model.step(v)
-            asyncio.run(owner.send_weights(ModuleSource(model), version=v))
-            published[v] = workers_cache.digests(model)
+        model, published = _publish(owner, (1, 2))
         path = _version_file(owner.root, 2)
         what = _corrupt(path, kind)
         with pytest.raises(WeightbusError, match=what) as e:
@@ -200,11 +206,7 @@ def test_broken_version_in_a_read_only_cache_is_skipped(tmp_path, monkeypatch):
     so); a receive waiting for a newer version names it too."""
     where = str(tmp_path / "ro")
     owner = workers_cache.cache("trainer", "disk", where, keep=2)
-    model, published = Mixed(), {}
-    for v in (1, 2):
-        model.step(v)
-        asyncio.run(owner.send_weights(ModuleSource(model), version=v))
-        published[v] = workers_cache.digests(model)
+    model, published = _publish(owner, (1, 2))
     path = _version_file(owner.root, 2)
     what = _corrupt(path, "truncated")
 
