@@ -110,8 +110,9 @@ CASES = [
         1, 1, [{"slots": [], "host": "h", **_meta(num_buffers=2)}, {"host": "h", **_meta(num_buffers=3)}]),
      WeightbusError, "disagree on num_buffers: trainer rank 0 has 2, rollout rank 0 has 3"),
     ("verify-every-negative", lambda: _engine(delta=True, verify_every=-1), WeightbusError,
-     "verify_every must be a whole number of updates >= 0"),
-    ("verify-every-float", lambda: _engine(delta=True, verify_every=0.5), WeightbusError, "verify_every must be"),
+     "verify_every must be >= 0, got -1 \\(delta updates between checks; 0: never check\\)"),
+    ("verify-every-float", lambda: _engine(delta=True, verify_every=0.5), WeightbusError,
+     "verify_every must be an int, got 0.5"),
     # --- manifests, names and tensors
     ("empty-model", lambda: BucketPlan(Manifest([]), 1 << 20), WeightbusError, "empty weight stream"),
     ("empty-name", lambda: Manifest.from_tensors([("", torch.ones(1))]), WeightbusError, "non-empty strings, got ''"),

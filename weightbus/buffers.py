@@ -481,8 +481,7 @@ class _UnpackProgram:
                     self.items.append(None)
         self.copies = CopyList(dsts, self.srcs)  # (the slot's views: fixed)
         self.static = not self.pieces
-        self.lends = lends  # (a batch of these items holds views of the slot)
-        if lends:
+        if lends:  # (a batch of these items holds views of the slot)
             self.items = Lent(self.items)
 
 
@@ -527,7 +526,7 @@ class Assembler:
         if prog.static:
             prog.copies.run()
             return prog.items  # type: ignore[return-value]
-        return (Lent if prog.lends else list)(self.unpack(bucket, b))
+        return type(prog.items)(self.unpack(bucket, b))  # (a Lent where views are among them)
 
     def unpack(self, bucket: torch.Tensor, b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         prog = self._program(bucket, b)

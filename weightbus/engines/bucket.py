@@ -72,11 +72,8 @@ class BucketEngine(CheckpointEngine):
             raise PlanError(f"delta must be True or False, got {delta!r}")
         if verify_every is None:
             verify_every = config.env_integer("WEIGHTBUS_DELTA_VERIFY", minimum=0)
-            verify_every = 1 if verify_every is None else verify_every
-        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
-            raise PlanError(f"verify_every must be a whole number of updates >= 0 (0: never check), got "
-                            f"{verify_every!r}")
-        self.verify_every = verify_every
+        self.verify_every = 1 if verify_every is None else config.integer(
+            verify_every, "verify_every", minimum=0, hint=" (delta updates between checks; 0: never check)")
         if delta and not self.supports_delta:
             raise PlanError(f"delta=True is not supported by backend {type(self).__name__}: use gloo, nccl, "
                             f"nixl or mooncake (colocated copies are already at the bulk-copy floor)")
@@ -517,7 +514,7 @@ class BucketEngine(CheckpointEngine):
 
     def _stopped(self) -> str:
         """What the consumer did, for the update's error: stopped, or failed (and why)."""
-        why = getattr(getattr(self, "_reading", None), "failure", None)
+        why = self._reading.failure if self._reading is not None else None
         return f"the consumer stopped reading (it raised {why})" if why else "the consumer stopped reading"
 
     def _checked_receive(self, expected: Manifest | None) -> Iterator[Batch]:
