@@ -180,6 +180,49 @@ def test_rank_that_never_joins_fails_formation_in_time(port):
         assert "rank" in err, err
 
 
+def test_rank_that_fails_its_setup_fails_formation_at_once(port):
+    """A rank that reaches the rendezvous but cannot set up (Rendezvous.fail) makes every
+    rank, itself too, fail at once, naming it and its reason: not at the deadline."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    slow = 30.0  # the deadline: nobody may wait for it
+    procs = [ctx.Process(target=workers_faults.group_with_a_failing_rank, args=(r, port, slow, out))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    for rank, err, seconds in got:
+        assert seconds < slow / 2, (rank, err, seconds)
+        assert "rank 2 failed: vLLM worker 0: cannot make the engine: out of memory" in err, (rank, err)
+
+
+def test_vllm_worker_outcomes_name_every_failure(port):
+    """The outcomes a vLLM driver gathers from the group's store (real TCPStore): every
+    failed worker named once per cause, a silent one named as such, torn vs kept."""
+    from weightbus.comm import serve_store
+    from weightbus.integrations.vllm import outcomes
+    from weightbus.integrations.vllm.loader import KEPT
+    store = serve_store(10)
+    o = outcomes.Outcome
+    outcomes.post(store, "p", "update", 7, o(0, False, f"vLLM worker 0: rejected [{KEPT}]"))
+    outcomes.post(store, "p", "update", 7, o(1, False, f"vLLM worker 1: rejected [{KEPT}]"))
+    outcomes.post(store, "p", "update", 6, o(2))  # another update's: not this one's
+    t0 = time.monotonic()
+    got = outcomes.gather(store, "p", "update", 7, range(3), timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    msg = outcomes.failure(got, "update to version 7")
+    assert msg.startswith("update to version 7 failed on 3 vLLM worker(s): ")
+    assert "rollout rank 0: vLLM worker 0: rejected; rollout rank 1: vLLM worker 1: rejected" in msg
+    assert "rollout rank 2 reported no outcome of update within 0.5s" in msg and "torn" in msg
+    both = outcomes.failure(got[:2], "update to version 7")
+    assert both.endswith(f"[{KEPT}]")
+    same = [o(0, False, "trainer rank 0 died", kept=False), o(1, False, "trainer rank 0 died")]
+    assert "rollout ranks 0, 1: trainer rank 0 died [" in outcomes.failure(same, "u")
+    assert outcomes.failure([o(0), o(1)], "u") is None
+
+
 def test_manager_resumes_healthy_replicas_whatever_fails():
     timeout = 8
     trainer = LocalWorkerGroup(SourceRaises, 1, 6, name="trainer")

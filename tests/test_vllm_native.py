@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm_workers import (  # noqa: E402
     BreakingSource,
-    NativeTrainer,
+    Trainers,
     expected_vllm_digests,
     vllm_param_digests,
 )
@@ -23,12 +23,10 @@ from vllm_workers import (  # noqa: E402
 from weightbus import WeightSyncError  # noqa: E402
 from weightbus.integrations.vllm import (  # noqa: E402
     OfflineLLMRollout,
-    RolloutClient,
     VLLMEngineReplica,
-    sync_weights,
 )
 from weightbus.integrations.vllm.loader import KEPT  # noqa: E402
-from weightbus.runtime.group import LocalWorkerGroup, WorkerError, call  # noqa: E402
+from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 42], [5]]
 T = 60  # seconds, every wait
@@ -79,54 +77,6 @@ def greedy(llm, n=8):
     sp = vllm.SamplingParams(max_tokens=n, temperature=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-class Trainers:
-    """Rank 0 here, rank 1 in its own process; every call goes to both."""
-
-    def __init__(self, path, port, rollout, world=2, transport="gloo", bucket_size=None):
-        self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport, bucket_size=bucket_size)
-        self.others = LocalWorkerGroup(NativeTrainer, world - 1, path, port, rollout.size, transport,
-                                       trainer_rank=1, trainer_world=world, bucket_size=bucket_size,
-                                       name="trainer1") if world > 1 else None
-        self.client = RolloutClient([rollout])
-        self.each("connect", local_args=(self.client,))
-
-    def each(self, method, *args, local_args=None):
-        pending = self.others.submit(method, [args] * self.others.size) if self.others else None
-        try:
-            out = getattr(self.rank0, method)(*(local_args if local_args is not None else args))
-        finally:
-            if pending is not None:
-                rest = pending.result(T)
-        return [out, *rest] if pending is not None else [out]
-
-    def update(self, version, mode="keep"):
-        """Every rank sends; a failure must reach every rank, with the same message."""
-        pending = self.others.submit("send", [(version,)] * self.others.size) if self.others else None
-        failure = None
-        try:
-            sync_weights(self.rank0.engine, self.client, version, mode=mode)
-        except WeightSyncError as e:
-            failure = e
-        if pending is not None:
-            try:
-                pending.result(T)
-            except WorkerError as e:
-                if failure is None:
-                    raise
-                assert str(failure) in str(e)
-            else:
-                assert failure is None, "rank 1 succeeded where rank 0 failed"
-        if failure is not None:
-            raise failure
-
-    def close(self):
-        try:
-            self.each("shutdown")
-        finally:
-            if self.others:
-                self.others.shutdown()
 
 
 def test_native_updates_and_bad_input(llm, free_port):

@@ -8,6 +8,9 @@ from weightbus.worker import WeightbusWorker
 
 
 class HFTrainer(WeightbusWorker):
+    #: send checkpoint names and layouts (HFCheckpointSource's), not the in-memory ones
+    checkpoint_names = False
+
     def __init__(self, rank, world, path):
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(1)
@@ -35,6 +38,11 @@ class HFTrainer(WeightbusWorker):
         self.extra = {"model.bogus.weight": torch.ones(4, 4)} if on else None
 
     def weights_source(self):
+        if self.checkpoint_names:  # as save_pretrained writes them (MoE experts one by one)
+            from weightbus.integrations.hf import checkpoint_state_dict
+            sd = checkpoint_state_dict(self.model)
+            sd.update(self.extra or {})
+            return ModuleSource(sd)
         sd = dict(self.model.state_dict())
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)  # tied to the embedding: vLLM has no separate copy
@@ -43,13 +51,17 @@ class HFTrainer(WeightbusWorker):
         return ModuleSource(sd)
 
 
+class HFCheckpointTrainer(HFTrainer):
+    checkpoint_names = True
+
+
 class NativeTrainer:
     """One trainer rank of vLLM's own weight-transfer API with the ``weightbus`` backend:
     a transformers model taking real AdamW steps (ranks hold replicas, like DDP; each
     sends its own share of the buckets). Rank 0 runs in the test process next to vLLM."""
 
     def __init__(self, rank, world, path, port, rollout_world_size, transport="gloo", *,
-                 trainer_rank=None, trainer_world=None, bucket_size=None, **info):
+                 trainer_rank=None, trainer_world=None, bucket_size=None, timeout=60, **info):
         from transformers import AutoModelForCausalLM
 
         from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
@@ -61,7 +73,7 @@ class NativeTrainer:
         world = world if trainer_world is None else trainer_world
         self.info = WeightbusTrainerInitInfo(rank=rank, world_size=world, master_address="127.0.0.1",
                                              master_port=port, rollout_world_size=rollout_world_size,
-                                             transport=transport, timeout=60, bucket_size=bucket_size,
+                                             transport=transport, timeout=timeout, bucket_size=bucket_size,
                                              **info)
         self.engine = None
 
@@ -87,6 +99,11 @@ class NativeTrainer:
     def set_source(self, change=None):
         self.engine.source = self.source(change)
 
+    def break_source(self, after, kill=False):
+        """The next update's stream fails after ``after`` tensors; ``kill``: this process
+        dies there."""
+        self.engine.source = BreakingSource(self.engine.source, after, kill=kill)
+
     def send(self, version):
         return self.engine.send_weights(version).bytes
 
@@ -106,15 +123,22 @@ class NativeTrainer:
 
 
 class BreakingSource:
-    """A weight stream that raises after ``after`` tensors (a trainer failing mid-update)."""
+    """A weight stream that fails after ``after`` tensors: raises ``error`` (a trainer
+    failing mid-update; a ``KeyboardInterrupt``: one interrupted), or with ``kill`` the
+    trainer process dies there (SIGKILL)."""
 
-    def __init__(self, source, after):
+    def __init__(self, source, after, error=None, kill=False):
         self.source, self.after, self.manifest = source, after, source.manifest
+        self.error, self.kill = error or RuntimeError("trainer failed mid-update"), kill
 
     def __iter__(self):
         for i, item in enumerate(self.source):
             if i == self.after:
-                raise RuntimeError("trainer failed mid-update")
+                if self.kill:
+                    import os
+                    import signal
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise self.error
             yield item
 
 
@@ -177,3 +201,101 @@ def set_rebuild(worker, on):
     """Runs in a vLLM worker: switch the rebuild of the MoE experts' packing (tests only)."""
     from weightbus.integrations.vllm import processing
     processing.REBUILD_SKIPPED_HOOKS = on
+
+
+# ------------------------------------------------------------------ faults inside a vLLM worker
+
+def inject_fault(worker, rank, kind, arg):
+    """Runs in a vLLM worker (``llm.collective_rpc(inject_fault, args=(rank, kind, arg))``):
+    on worker ``rank`` only, the next real load (not the preflight's dry run on meta
+    tensors) fails: ``raise`` after ``arg`` tensors reached vLLM's ``load_weights``, or
+    ``slow`` sleeps ``arg`` seconds before its first tensor. One shot."""
+    import time
+    if worker.rank != rank:
+        return
+    model = worker.model_runner.model
+    original = model.load_weights
+
+    def load_weights(weights):
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None or first[1].is_meta:  # the preflight's dry run: untouched
+            return original(([first] if first else []) + list(weights))
+        del model.load_weights  # one shot
+
+        def faulty():
+            yield first
+            for landed, item in enumerate(weights, start=1):
+                if kind == "raise" and landed == arg:
+                    raise RuntimeError(f"injected loader failure after {arg} tensors")
+                yield item
+        if kind == "slow":
+            time.sleep(arg)
+        return original(faulty())
+
+    model.load_weights = load_weights
+
+
+def clear_faults(worker):
+    """Runs in a vLLM worker: remove a fault :func:`inject_fault` left unfired."""
+    model = worker.model_runner.model
+    if "load_weights" in model.__dict__:
+        del model.load_weights
+
+
+# ------------------------------------------------------------------ trainer ranks around one vLLM
+
+class Trainers:
+    """Native trainer ranks: rank 0 here (next to vLLM, which it drives), the others in a
+    process of their own; every call goes to every rank."""
+
+    def __init__(self, path, port, rollout, world=2, transport="gloo", bucket_size=None, timeout=60):
+        from weightbus.integrations.vllm import RolloutClient
+        from weightbus.runtime.group import LocalWorkerGroup
+        self.timeout = timeout
+        self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport, bucket_size=bucket_size,
+                                   timeout=timeout)
+        self.others = LocalWorkerGroup(NativeTrainer, world - 1, path, port, rollout.size, transport,
+                                       trainer_rank=1, trainer_world=world, bucket_size=bucket_size,
+                                       timeout=timeout, name="trainer1") if world > 1 else None
+        self.client = RolloutClient([rollout], timeout=max(60, 3 * timeout))
+        self.each("connect", local_args=(self.client,))
+
+    def each(self, method, *args, local_args=None):
+        pending = self.others.submit(method, [args] * self.others.size) if self.others else None
+        try:
+            out = getattr(self.rank0, method)(*(local_args if local_args is not None else args))
+        finally:
+            if pending is not None:
+                rest = pending.result(3 * self.timeout)
+        return [out, *rest] if pending is not None else [out]
+
+    def update(self, version, mode="keep"):
+        """Every rank sends; a failure must reach every rank (rank 0's error names every
+        vLLM worker that failed; the others' the first failing rank's cause)."""
+        from weightbus import WeightSyncError
+        from weightbus.integrations.vllm import sync_weights
+        from weightbus.runtime.group import WorkerError
+        pending = self.others.submit("send", [(version,)] * self.others.size) if self.others else None
+        failure = None
+        try:
+            sync_weights(self.rank0.engine, self.client, version, mode=mode)
+        except WeightSyncError as e:
+            failure = e
+        if pending is not None:
+            try:
+                pending.result(3 * self.timeout)
+            except WorkerError:
+                if failure is None:
+                    raise
+            else:
+                assert failure is None, "rank 1 succeeded where rank 0 failed"
+        if failure is not None:
+            raise failure
+
+    def close(self):
+        try:
+            self.each("shutdown")
+        finally:
+            if self.others:
+                self.others.shutdown()

@@ -120,3 +120,20 @@ def partial_group(rank: int, port: int, deadline: float, out) -> None:
     except WeightbusError as e:
         err = str(e)
     out.put((rank, err, time.monotonic() - t0))
+
+
+def group_with_a_failing_rank(rank: int, port: int, deadline: float, out) -> None:
+    """Ranks 0 and 1 form a group of 3; rank 2 reaches the rendezvous but cannot make its
+    engine (a rollout whose set-up failed): it takes part with its reason instead."""
+    t0 = time.monotonic()
+    try:
+        rdv = Rendezvous("127.0.0.1", port, rank, 3, timeout=deadline)
+        if rank == 2:
+            rdv.fail("vLLM worker 0: cannot make the engine: out of memory")
+        engine = CheckpointEngineRegistry.new("gloo", timeout=deadline,
+                                              role="trainer" if rank == 0 else "rollout")
+        connect(engine, rdv, 1, 2)
+        err = "formed with a failed rank"
+    except WeightbusError as e:
+        err = str(e)
+    out.put((rank, err, time.monotonic() - t0))

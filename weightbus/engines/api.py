@@ -235,6 +235,13 @@ class CheckpointEngine(ABC):
         self.last_stats: UpdateStats | None = None
         self._dest: dict[str, torch.Tensor] | None = None
         self._busy: dict[str, bool] = {}  # direction -> an update is under way
+        self._broken: str | None = None  # why the group cannot be used any more
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer carry updates (a peer lost, a deadline passed), or
+        None while it can: form it again (``init_process_group``) before the next update."""
+        return self._broken
 
     @property
     def bucket_size(self) -> int:

@@ -87,7 +87,6 @@ class BucketEngine(CheckpointEngine):
         self._store_server: Any = None  # trainer ranks: the rendezvous store they serve
         self._token = ""
         self._ctl_rank = -1
-        self._broken: str | None = None  # why the group cannot be used any more
         self._peers_fingerprint: int | None = None  # sender root: what the group has seen
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams

@@ -19,6 +19,14 @@ from weightbus.engines.api import CheckpointEngine
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
 
 
+class RankFailed:
+    """What a rank that cannot take part contributes to a rendezvous instead of its
+    object, so that every other rank fails at once with its reason (not at the deadline)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
 class Rendezvous:
     """All-gather of picklable objects among ``world`` processes over one TCPStore."""
 
@@ -46,7 +54,18 @@ class Rendezvous:
             who = f"ranks {missing} did not arrive" if missing else f"the store failed ({e})"
             raise WeightSyncError(f"rendezvous rank {self.rank} of {self.world} ({self.prefix!r}, round "
                                   f"{self._round}): {who} within {self.timeout:.0f}s") from None
-        return [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)]
+        got = [pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)]
+        failed = {r: x.reason for r, x in enumerate(got) if isinstance(x, RankFailed)}
+        if failed:
+            raise WeightSyncError(f"rendezvous rank {self.rank} of {self.world} ({self.prefix!r}, round "
+                                  f"{self._round}): " + "; ".join(f"rank {r} failed: {why}"
+                                                                  for r, why in failed.items()))
+        return got
+
+    def fail(self, reason: str) -> None:
+        """Take part in the next round with ``reason`` instead of an object: every rank
+        (this one too) raises, naming this rank and the reason."""
+        self.all_gather(RankFailed(reason))
 
 
 def connect(engine: CheckpointEngine, rdv: Rendezvous, trainer_world_size: int,

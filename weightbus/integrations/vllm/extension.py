@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from weightbus.integrations.vllm.loader import VLLMModelLoader
+from weightbus.integrations.vllm.outcomes import FAILED
 from weightbus.plan import Manifest
 from weightbus.worker import EngineHost
 
@@ -40,11 +41,17 @@ class WeightbusWorkerExtension(EngineHost):
     caller does not run during an update, so pausing is a no-op."""
 
     def wb_dispatch(self, method: str, args: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> Any:
-        """Run ``method`` with this rank's share of per-rank arguments."""
+        """Run ``method`` with this rank's share of per-rank arguments. A failure comes
+        back as ``{FAILED: reason}``, never as a raise: vLLM's executor would pass on the
+        first failing worker's and leave the other workers' replies queued for the next
+        call (see :mod:`.outcomes`)."""
         rank = int(getattr(self, "rank", 0))
         a = tuple(args[rank]) if args else ()
         k = dict(kwargs[rank]) if kwargs else {}
-        return getattr(self, method)(*a, **k)
+        try:
+            return getattr(self, method)(*a, **k)
+        except Exception as e:  # noqa: BLE001 - reported in the reply (VLLMReplica raises it)
+            return {FAILED: f"{type(e).__name__}: {e}"}
 
     def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any],
                  replica: str | None = None) -> None:

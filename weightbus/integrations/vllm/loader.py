@@ -283,6 +283,10 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
 
     def stand_in_loader(key: int, original: Any, meta: torch.Tensor) -> Any:
         def load(param: Any, *args: Any, **kwargs: Any) -> Any:
+            w = args[0] if args else kwargs.get("loaded_weight")
+            if isinstance(w, torch.Tensor) and _kind(w.dtype) != _kind(meta.dtype):
+                # a loader's copy_ would cast it silently (bools or integers into weights)
+                raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
             with _CopyCounter() as counter:
                 out = original(meta, *args, **kwargs)
             loaded[key] += counter.numel
@@ -346,6 +350,16 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
         return (f"the update leaves out {len(missing)} parameter(s) of the model: {_some(missing)} "
                 f"(pass partial=True to allow partial updates)")
     return None
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """Which values a dtype holds: a loader may cast within a kind (fp32 -> bf16, fp8),
+    never across kinds."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
 
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:

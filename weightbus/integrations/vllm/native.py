@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -47,9 +48,11 @@ if hasattr(WeightTransferEngine, "trainer_send_weights") or "backend" not in get
     raise ImportError("weightbus's vLLM backend needs vllm>=0.28 (its native weight-transfer API as "
                       "released there); this vLLM has an earlier form of it: pip install 'weightbus[vllm]'")
 
+from weightbus import config
 from weightbus.config import BUILTIN_TIMEOUT
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
+from weightbus.integrations.vllm import outcomes
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck
 from weightbus.plan import Manifest, TensorMeta
@@ -57,6 +60,7 @@ from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sources import ModuleSource
 
 NAME = "weightbus"
+_log = logging.getLogger("vllm.weightbus")
 
 
 @dataclass
@@ -102,6 +106,9 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         super().__init__(*args, **kwargs)
         self._engine: CheckpointEngine | None = None
         self._loader: VLLMModelLoader | None = None
+        self._start_error: Exception | None = None
+        self._store: Any = None  # the group's rendezvous store: outcomes go there
+        self._prefix = NAME
         self._loaders: dict[tuple[int, bool], VLLMModelLoader] = {}
         self._partial = False
         self._self_check: SelfCheck | None = None
@@ -114,51 +121,91 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         return f"vLLM worker {self.rollout_rank}"
 
     def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
-        self.shutdown()
-        T, R = init_info.trainer_world_size, init_info.rollout_world_size
-        self.rollout_rank = init_info.rank_offset + self.local_rank
-        if not 0 <= self.rollout_rank < R:
-            raise WeightbusError(f"{self.where()}: outside the {R} rollout ranks the trainer "
-                                 f"expects (rank_offset {init_info.rank_offset})")
-        kwargs = dict(init_info.engine_kwargs)
-        if init_info.transport in ("nccl", "hccl", "colocated") and "device" not in kwargs:
-            kwargs["device"] = str(self.device)
-        engine = CheckpointEngineRegistry.new(init_info.transport, role="rollout", **kwargs)
-        rdv = Rendezvous(init_info.master_address, init_info.master_port, T + self.rollout_rank,
-                         T + R, timeout=engine.timeout, prefix=init_info.prefix)
-        connect(engine, rdv, T, R)
-        self._engine, self._partial = engine, init_info.partial
-        self._self_check = None if init_info.self_check_every < 0 else \
-            SelfCheck(init_info.self_check_every, init_info.self_check_layers)
-        self._loaders.clear()  # a new configuration: new loaders
+        # Nothing here raises into vLLM (see .outcomes): a failure once the rendezvous
+        # store is reached is posted to the rendezvous, so every rank fails at once,
+        # naming this worker; one before that leaves the trainer naming it as missing.
+        with outcomes.recorded(self.rollout_rank, "init_weight_transfer_engine", []):
+            self.shutdown()
+            T, R = init_info.trainer_world_size, init_info.rollout_world_size
+            self.rollout_rank = init_info.rank_offset + self.local_rank
+            if not 0 <= self.rollout_rank < R:
+                raise WeightbusError(f"{self.where()}: outside the {R} rollout ranks the trainer "
+                                     f"expects (rank_offset {init_info.rank_offset})")
+            kwargs = dict(init_info.engine_kwargs)
+            rdv = Rendezvous(init_info.master_address, init_info.master_port, T + self.rollout_rank,
+                             T + R, timeout=config.timeout(kwargs.get("timeout")), prefix=init_info.prefix)
+            try:
+                if init_info.transport in ("nccl", "hccl", "colocated") and "device" not in kwargs:
+                    kwargs["device"] = str(self.device)
+                engine = CheckpointEngineRegistry.new(init_info.transport, role="rollout", **kwargs)
+            except Exception as e:  # noqa: BLE001
+                rdv.fail(f"{self.where()}: {e}")  # raises here too
+            connect(engine, rdv, T, R)
+            self._engine, self._partial = engine, init_info.partial
+            self._store, self._prefix = rdv.store, init_info.prefix
+            self._self_check = None if init_info.self_check_every < 0 else \
+                SelfCheck(init_info.self_check_every, init_info.self_check_layers)
+            self._loaders.clear()  # a new configuration: new loaders
 
     def start_weight_update(self) -> None:
         # the target is fixed now (vLLM may have pointed us at a draft model); the model
-        # itself is touched only inside receive_weights
-        key = (id(self.model), self._partial)
-        if key not in self._loaders:  # kept per target: it caches its verdict per manifest
-            self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
-                                                 partial=self._partial, where=self.where(),
-                                                 self_check=self._self_check)
-        self._loader = self._loaders[key]
+        # itself is touched only inside receive_weights. A failure here fails the update
+        # that follows, on every rank (never a raise into vLLM: see .outcomes).
+        self._loader, self._start_error = None, None
+        try:
+            key = (id(self.model), self._partial)
+            if key not in self._loaders:  # kept per target: it caches its verdict per manifest
+                self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
+                                                     partial=self._partial, where=self.where(),
+                                                     self_check=self._self_check)
+            self._loader = self._loaders[key]
+        except Exception as e:  # noqa: BLE001
+            self._start_error = e
 
     def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
-        if self._engine is None or self._loader is None:
-            raise WeightbusError(f"{self.where()}: init_weight_transfer_engine and "
-                                 f"start_weight_update come first")
+        """One update into the model. Never raises into vLLM: the outcome (with this
+        worker's own cause, and whether its model kept the previous weights) goes to the
+        driver through the group's store (see :mod:`.outcomes`)."""
+        done: list[outcomes.Outcome] = []
         loader = self._loader
-        try:
-            stream = self._engine.receive_weights_sync(validate=loader.preflight,
-                                                             on_release=loader.release,
-                                                             on_complete=loader.complete)
+        with outcomes.recorded(self.rollout_rank, "update_weights", done,
+                               kept=lambda: loader is None or not loader.touched):
+            self._receive(update_info)
+        _close_if_broken(self._engine)
+        if self._store is not None:
+            outcomes.post(self._store, self._prefix, "update", update_info.version, done[0])
+
+    def _receive(self, update_info: WeightbusUpdateInfo) -> None:
+        if self._engine is None:
+            raise WeightbusError(f"{self.where()}: init_weight_transfer_engine comes first")
+        loader, own = self._loader, []  # own: this worker's cause (the agreed error is the first rank's)
+
+        def validate(manifest: Manifest) -> None:
             try:
-                loader.receive(stream)  # layerwise reload: initialized and finalized in here
+                if self._start_error is not None:
+                    raise WeightbusError(f"{self.where()}: start_weight_update failed: {self._start_error}")
+                loader.preflight(manifest)  # type: ignore[union-attr]
+            except Exception as e:
+                own.append(e)
+                raise
+
+        try:
+            stream = self._engine.receive_weights_sync(
+                validate=validate, on_release=loader.release if loader else None,
+                on_complete=loader.complete if loader else None)
+            try:
+                if loader is None:
+                    for _ in stream:
+                        pass
+                else:
+                    loader.receive(stream)  # layerwise reload: initialized and finalized in here
             finally:
                 stream.close()  # type: ignore[attr-defined]
         except Exception as e:
-            if not loader.touched and KEPT not in str(e):
-                raise WeightSyncError(f"{e} [{KEPT}]") from e
-            raise
+            cause = own[0] if own else e
+            if loader is None or not loader.touched:
+                raise WeightSyncError(str(cause) if KEPT in str(cause) else f"{cause} [{KEPT}]") from e
+            raise WeightSyncError(str(cause)) from e
         if update_info.version and self._engine.version != update_info.version:
             raise WeightSyncError(f"{self.where()}: received version {self._engine.version}, "
                                   f"expected {update_info.version}")
@@ -168,8 +215,11 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
 
     def shutdown(self) -> None:
         if self._engine is not None:
-            self._engine.finalize(destroy_group=True)
-            self._engine = None
+            engine, self._engine, self._store = self._engine, None, None
+            try:
+                engine.finalize(destroy_group=True)
+            except Exception as e:  # noqa: BLE001 - never into vLLM (see .outcomes); nothing left to do
+                _log.warning("weightbus: %s: finalizing the engine: %s", self.where(), e)
 
 
 # ------------------------------------------------------------------ trainer side
@@ -217,6 +267,8 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         self.version = 0
         self._formations = 0
         self._store: Any = None
+        self._prefix = NAME
+        self._interrupted: str | None = None  # an update was interrupted: the group was closed
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-vllm-rpc")
 
     @classmethod
@@ -234,6 +286,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         info = self.info
         T, R = info.world_size, info.rollout_world_size
         self._formations += 1
+        self._interrupted = None
         prefix = f"{NAME}/{self._formations}"  # the same count on every trainer rank
         if self.is_sender and self._store is None:  # the rendezvous store, on rank 0
             self._store = torch.distributed.TCPStore("0.0.0.0", info.master_port, None, True,
@@ -246,6 +299,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
                 "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial,
                 "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers})
+        self._prefix = prefix
         rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
                          timeout=info.timeout, prefix=prefix)
         try:
@@ -270,25 +324,76 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
     def send_weights(self, version: int | None = None) -> Any:
         """One update; returns weightbus's :class:`UpdateStats`. Raises
         :class:`WeightSyncError` on every trainer rank if any rank (or vLLM worker) failed;
-        vLLM then keeps the previous weights if the update was rejected before loading."""
+        on rank 0 it names every vLLM worker that failed and its cause, and says whether
+        vLLM kept its previous weights (a replica holding some new layers has its weight
+        version set to ``"none"``). Every vLLM call of the update is closed either way, so
+        the next pause, update and generate work. After a failure that broke the group
+        (a peer lost, a deadline), a single trainer rank re-forms it at its next update;
+        several ranks call :meth:`connect` on every rank."""
         version = self.version + 1 if version is None else int(version)
+        if (self.engine.broken or self._interrupted) and self.info.world_size == 1:
+            self.connect()
+        elif self._interrupted:
+            raise WeightSyncError(f"trainer rank {self.info.rank}: the group was closed when an update was "
+                                  f"interrupted ({self._interrupted}); call connect() on every trainer rank")
         pending = None
         if self.is_sender:
             self.client.start_weight_update()
             pending = self._pool.submit(self.client.update_weights, {"version": version})
+        failure: BaseException | None = None
+        stats = None
         try:
             if pending is not None and pending.done():
                 pending.result()  # a bad request fails at once: do not wait in the send
             stats = _run(self.engine.send_weights(self.source, version=version))
-        except WeightSyncError:
-            if pending is not None:  # vLLM failed the same way; let its call return first
-                concurrent.futures.wait([pending], timeout=self.info.timeout)
-            raise
-        if pending is not None:
-            _result(pending, self.info.timeout, "update_weights")
-            self.client.finish_weight_update(str(version))
+        except BaseException as e:
+            failure = e
+            if not isinstance(e, WeightSyncError):  # interrupted mid-update: the group is unusable
+                self._interrupted = f"{type(e).__name__}"
+                self.engine.finalize(destroy_group=True)  # (and vLLM's workers fail now)
+            _close_if_broken(self.engine)
+        if pending is None:
+            if failure is not None:
+                raise failure
+            self.version = version
+            return stats
+        self._settle(pending, version, failure)
         self.version = version
         return stats
+
+    def _settle(self, pending: concurrent.futures.Future, version: int,
+                failure: BaseException | None) -> None:
+        """Rank 0, after its send: vLLM's update call returned, every worker's outcome read,
+        vLLM's update closed (with the version only if every worker succeeded)."""
+        timeout = self.info.timeout
+        concurrent.futures.wait([pending], timeout=timeout)
+        try:
+            if pending.done():
+                pending.result()
+            else:
+                raise WeightSyncError(f"vLLM did not answer update_weights within {timeout:.0f}s")
+        except Exception as e:  # noqa: BLE001 - vLLM's own error (the engine died, a bad request)
+            failure = failure or e
+        got = outcomes.gather(self._store, self._prefix, "update", version,
+                              range(self.info.rollout_world_size), timeout if pending.done() else 1.0)
+        why = outcomes.failure(got, f"update to version {version}")
+        ok = why is None and failure is None
+        if why is None and failure is not None:
+            why = f"update to version {version} failed: {failure}"
+        torn = [o.rank for o in got if not o.kept]
+        try:
+            self.client.finish_weight_update(str(version) if ok else None)
+            if torn and hasattr(self.client, "mark_torn"):
+                self.client.mark_torn(torn)
+        except Exception as e:  # noqa: BLE001
+            if ok:
+                raise
+            why = f"{why}; then closing vLLM's update failed too: {e}"
+        if ok:
+            return
+        if isinstance(failure, Exception) or failure is None:
+            raise WeightSyncError(why) from failure
+        raise failure  # an interrupt stays one; vLLM was left closed and consistent
 
     def shutdown(self) -> None:
         self.engine.finalize(destroy_group=True)
@@ -299,6 +404,16 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 pass
         self._pool.shutdown(wait=False)
         self._store = None
+
+
+def _close_if_broken(engine: CheckpointEngine | None) -> None:
+    """A group that lost a peer or a deadline cannot carry updates any more: close it,
+    so that every other rank still waiting in it fails now, not at its own deadline."""
+    if engine is not None and engine.broken:
+        try:
+            engine.finalize(destroy_group=True)
+        except Exception as e:  # noqa: BLE001 - closing is best effort; the group is re-formed anyway
+            _log.warning("weightbus: closing a broken group: %s", e)
 
 
 def _result(fut: concurrent.futures.Future, timeout: float, what: str) -> Any:

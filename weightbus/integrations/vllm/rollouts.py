@@ -34,9 +34,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightbus import config
+from weightbus import comm, config
 from weightbus.errors import WeightbusError
-from weightbus.integrations.vllm.loader import KEPT
+from weightbus.integrations.vllm import outcomes
 from weightbus.runtime.group import Pending, WorkerError
 
 #: Pause modes vLLM knows: ``keep`` freezes in-flight requests (they continue after the
@@ -278,12 +278,25 @@ class RolloutClient:
     def rollout_world_size(self) -> int:
         return sum(r.size for r in self.rollouts)
 
-    def _each(self, what: str, call: Callable[[Rollout, int], Any]) -> list[Any]:
+    @property
+    def offsets(self) -> list[int]:
+        """Each rollout's first rank among the client's rollout ranks."""
         offsets, off = [], 0
         for r in self.rollouts:
             offsets.append(off)
             off += r.size
-        futs = [self._pool.submit(call, r, o) for r, o in zip(self.rollouts, offsets, strict=True)]
+        return offsets
+
+    def mark_torn(self, ranks: Sequence[int]) -> None:
+        """The rollouts holding these rollout ranks may serve a mix of old and new layers
+        after a failed update: their weight version becomes ``"none"`` until an update
+        completes (what they generate meanwhile is from no single version)."""
+        hit = {i for i, o in enumerate(self.offsets) for r in ranks if o <= r < o + self.rollouts[i].size}
+        self._each("update_weight_version", lambda r, _: r.set_weight_version("none")
+                   if self.rollouts.index(r) in hit else None)
+
+    def _each(self, what: str, call: Callable[[Rollout, int], Any]) -> list[Any]:
+        futs = [self._pool.submit(call, r, o) for r, o in zip(self.rollouts, self.offsets, strict=True)]
         deadline = time.monotonic() + self.timeout
         errors, out = [], []
         for r, f in zip(self.rollouts, futs, strict=True):
@@ -337,20 +350,26 @@ def sync_weights(engine: Any, client: RolloutClient, version: int | None = None,
 
 
 class _Call:
-    """A pending call on a rollout, as the manager's :class:`Pending`."""
+    """A pending call on a rollout, as the manager's :class:`Pending`; a worker's reply
+    ``{FAILED: reason}`` is that worker's failure (see :mod:`.outcomes`)."""
 
     def __init__(self, name: str, method: str, fut: concurrent.futures.Future):
         self.name, self.method, self.fut = name, method, fut
 
     def result(self, timeout: float) -> list[Any]:
         try:
-            return list(self.fut.result(timeout))
+            replies = list(self.fut.result(timeout))
         except concurrent.futures.TimeoutError:
             raise WorkerError(self.name, self.method, {0: f"no answer within {timeout:.0f}s"},
                               {0: "timed out"}) from None
         except Exception as e:  # noqa: BLE001 - vLLM re-raises the worker's error
             kind = "died" if "EngineDead" in type(e).__name__ else "raised"
             raise WorkerError(self.name, self.method, {0: f"{type(e).__name__}: {e}"}, {0: kind}) from e
+        failed = {r: x[outcomes.FAILED] for r, x in enumerate(replies)
+                  if isinstance(x, dict) and outcomes.FAILED in x}
+        if failed:
+            raise WorkerError(self.name, self.method, failed, dict.fromkeys(failed, "raised"))
+        return replies
 
 
 class _ReplicaBase:
@@ -379,6 +398,9 @@ class VLLMEngineReplica(_ReplicaBase):
         self.rollout = rollout
         self.mode = _check_mode(mode) if mode else None
         self._setup: tuple[str, dict[str, Any]] = ("gloo", {})
+        self._group: tuple[str, int, str, int] = ("", 0, "", 0)  # the manager's store; our first rank
+        self._store: Any = None
+        self._store_of: tuple[str, int] | None = None
 
     def submit(self, method: str, args: Sequence[tuple] | None = None,
                kwargs: Sequence[dict] | None = None) -> Pending:
@@ -392,6 +414,7 @@ class VLLMEngineReplica(_ReplicaBase):
             info = {"master_address": addr, "master_port": port, "prefix": prefix,
                     "trainer_world_size": T, "rollout_world_size": R, "rank_offset": rank - T,
                     "transport": self._setup[0], "engine_kwargs": self._setup[1]}
+            self._group = (addr, port, prefix, rank - T)
             return self._submit(method, lambda: r.init_weight_transfer_engine(info))
         if method == "wb_receive":
             return self._submit(method, lambda: self._receive(int(args[0][0])))  # type: ignore[index]
@@ -409,16 +432,32 @@ class VLLMEngineReplica(_ReplicaBase):
         raise WeightbusError(f"{self.name}: a vLLM replica has no call {method!r}")
 
     def _receive(self, version: int) -> dict[str, Any]:
-        r = self.rollout
+        """One update; every worker's outcome read from the group's store (vLLM's own
+        call never carries a worker's failure: see :mod:`.outcomes`), vLLM's update closed
+        either way, a torn replica's version withdrawn."""
+        r, (addr, port, prefix, first) = self.rollout, self._group
+        timeout = float(self._setup[1].get("timeout") or config.timeout(None))
+        if self._store is None or self._store_of != (addr, port):
+            self._store = comm.connect_store(addr, port, timeout, f"replica {self.name}")
+            self._store_of = (addr, port)
         r.start_weight_update()
+        failure: Exception | None = None
         try:
             r.update_weights({"version": version})
-        except Exception as e:
-            if KEPT not in str(e):  # loading had begun: the model may be torn
+        except Exception as e:  # noqa: BLE001 - vLLM's own error (a dead engine, a deadline)
+            failure = e
+        got = outcomes.gather(self._store, prefix, "update", version, range(first, first + self.size),
+                              timeout if failure is None else 1.0)
+        why = outcomes.failure(got, f"{self.name}: update to version {version}")
+        if why is None and failure is None:
+            r.finish_weight_update(str(version))
+            return {"bytes": 0}
+        try:
+            r.finish_weight_update(None)
+        finally:
+            if any(not o.kept for o in got):  # loading had begun: the model may be torn
                 r.set_weight_version("none")
-            raise
-        r.finish_weight_update(str(version))
-        return {"bytes": 0}
+        raise WeightbusError(why or f"{self.name}: update to version {version}: {failure}")
 
     def _version(self) -> int | None:
         v = self.rollout.weight_version()
