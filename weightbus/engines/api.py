@@ -72,7 +72,8 @@ class UpdateStats:
 
     version: int  # the version every rank now holds
     tensors: int  # tensors in the update (its manifest)
-    bytes: int  # payload bytes delivered (wire dtype): the whole model, delta or not
+    bytes: int  # payload bytes delivered (wire dtype): the whole model, delta or not (a
+    #            sharded receive: the bytes of this rank's regions and whole tensors)
     wire_bytes: int  # bytes that crossed the link on this rank's buckets, trailers included
     seconds: float  # from the call to the agreed outcome, on this rank
     buckets: int  # buckets this update took (a delta update: those of its records)
@@ -80,6 +81,9 @@ class UpdateStats:
     #: version the receivers held, False when it went whole (the first update, a resync
     #: after a failure or a drift, a receiver that held another version); None: not delta mode
     delta: bool | None = None
+    #: a sharded receive (a rollout rank that stated its layout): how many tensors it took
+    #: whole because its layout did not name them (its sink loaded them whole); None otherwise
+    fallbacks: int | None = None
 
     @property
     def gbps(self) -> float:

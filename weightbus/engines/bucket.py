@@ -32,6 +32,7 @@ import torch
 
 from weightbus import buffers, comm, config
 from weightbus.engines import delta as delta_mode
+from weightbus.engines import sharded
 from weightbus.engines.api import (
     Batch,
     CheckpointEngine,
@@ -45,6 +46,7 @@ from weightbus.engines.api import (
 from weightbus.engines.streams import Stream, StreamBroken, fetch, resolve_stream
 from weightbus.errors import ConfigError, PlanError, TransferFailed, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
+from weightbus.shards import ShardLayout, ShardPlan
 
 _log = logging.getLogger("weightbus")
 _HEADER_WORDS = 8
@@ -91,6 +93,12 @@ class BucketEngine(CheckpointEngine):
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
+        #: sharded updates (engines/sharded.py): every rollout rank's layout (None: whole
+        #: tensors, the broadcast path), this rank's placements, plans, fallbacks counted
+        self._layouts: list[ShardLayout | None] | None = None
+        self._shard_dests: sharded.Placements | None = None
+        self._shard_plans: dict[tuple[int, int, int], ShardPlan] = {}
+        self._sharded_got: tuple[int, int] | None = None  # (payload bytes, fallbacks) received
         self._stamper = buffers.Stamper()
         self.n_senders = 1
         #: called after every bucket this rank sent or received: ``(buckets done, buckets
@@ -304,8 +312,9 @@ class BucketEngine(CheckpointEngine):
                 return
             raise
         self.version = version
-        self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, wire,
-                                      time.perf_counter() - start, buckets, self._went_delta())
+        got, fallbacks = self._sharded_got or (manifest.nbytes, None)
+        self.last_stats = UpdateStats(version, len(manifest), got, wire, time.perf_counter() - start,
+                                      buckets, self._went_delta(), fallbacks)
         self._log_update(self.last_stats)
 
     def _outcome(self, error: str | None) -> torch.Tensor:
@@ -387,6 +396,8 @@ class BucketEngine(CheckpointEngine):
         way); returns (error, bytes moved, buckets). ``stream`` is None after an error."""
         if self.delta:
             return delta_mode.send(self, manifest, stream, version, error)
+        if self._layouts is not None:
+            return sharded.send(self, manifest, stream, version, error)
         plan = self._plan(manifest)
         error, wire = self._send_buckets(plan, stream, version, error)
         return error, wire, len(plan)
@@ -570,6 +581,9 @@ class BucketEngine(CheckpointEngine):
         start, version, manifest, error = self._open_receive(expected, validate)
         if self.delta:
             yield from self._receive_delta(start, version, manifest, error, on_complete, batched)
+            return
+        if self._layouts is not None:
+            yield from sharded.receive(self, start, version, manifest, error, on_complete, batched)
             return
         plan = self._plan(manifest)
         closed = False

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from weightbus import buffers, comm
+from weightbus.engines import sharded
 from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.bucket import BucketEngine
 from weightbus.errors import PlanError
 from weightbus.plan import Bucket, BucketPlan
+from weightbus.shards import ShardBucket, ShardLayout
 
 
 @CheckpointEngineRegistry.register("hccl", pg_backend="hccl")
@@ -44,12 +46,30 @@ class CollectiveEngine(BucketEngine):
         self._held: dict[int, int] = {}  # slot -> the bucket it last sent (for errors)
         self._formed = 0  # how many times a group was formed under _formed_token
         self._formed_token = ""
+        self._my_layout: ShardLayout | None = None  # a rollout rank's (set_shard_destinations)
 
     # --- lifecycle ---------------------------------------------------------------------
+    def set_shard_destinations(self, placements: sharded.Placements | None) -> None:
+        """Rollout rank, before ``prepare()``: receive only these regions of the update
+        tensors, point to point, each written straight into its destination:
+        ``{name: [(Box, destination view of the box's shape), ...]}`` (a fused parameter
+        lists one pair per source tensor; a replicated one the whole box). A tensor not
+        named arrives whole through the stream, as without placements (counted in
+        ``UpdateStats.fallbacks``); one named with no pair is not received. The layout
+        travels when the group forms; ``None`` takes whole tensors again (form anew)."""
+        if self.delta and placements is not None:
+            raise PlanError(f"{self.where()}: sharded receive does not combine with delta=True yet")
+        if self.role == "trainer":
+            raise PlanError(f"{self.where()}: only a rollout rank states shard destinations")
+        self._my_layout = None if placements is None else sharded.check_placements(placements, self.where())
+        self._shard_dests = placements
+
     def prepare(self) -> dict[str, Any]:
         # buckets are allocated once the group agrees on their size (init_process_group)
-        return self._store_metadata({"addr": comm.local_address(), "device": str(self.device),
-                                     **self.buffer_metadata()})
+        meta = {"addr": comm.local_address(), "device": str(self.device), **self.buffer_metadata()}
+        if self._my_layout is not None:
+            meta["layout"] = self._my_layout.to_bytes()
+        return self._store_metadata(meta)
 
     def _allocate(self) -> None:
         if not self._slots:
@@ -68,16 +88,24 @@ class CollectiveEngine(BucketEngine):
                   "master_addr": master["addr"], "master_port": master["port"],
                   "token": master["token"], "bucket_size": agree_buffers(trainer_world_size, metadata)}
         T, R = trainer_world_size, rollout_world_size
+        layouts = [m.get("layout") for m in metadata[T:]]
+        if any(x is not None for x in layouts):  # (sharded receive: every rank plans with them)
+            common["layouts"] = layouts
         trainer = {k: [v] * T for k, v in common.items()} | {"rank": list(range(T))}
         rollout = {k: [v] * R for k, v in common.items()} | {"rank": list(range(T, T + R))}
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
                            master_addr: str, master_port: int, token: str,
-                           bucket_size: int | None = None) -> None:
+                           bucket_size: int | None = None, layouts: list[bytes | None] | None = None,
+                           ) -> None:
         """Join the groups. ``bucket_size`` is the size the group agreed on (see
-        :func:`~weightbus.engines.base.agree_buffers`); this rank's buckets follow it."""
+        :func:`~weightbus.engines.base.agree_buffers`); this rank's buckets follow it.
+        ``layouts``: every rollout rank's shard layout (sharded receive), if any stated one."""
         T, R = trainer_world_size, rollout_world_size
+        self._layouts = None if layouts is None else \
+            [None if x is None else ShardLayout.from_bytes(x) for x in layouts]
+        self._shard_plans = {}
         if bucket_size is not None and bucket_size != self.bucket_size:
             self._wait_all("resize buckets")
             self._bucket_size, self._slots = int(bucket_size), []
@@ -155,26 +183,37 @@ class CollectiveEngine(BucketEngine):
         self._held[s] = b.index
         return self._slots[s]
 
-    def _send(self, b: Bucket, slot: torch.Tensor) -> None:
+    def _send(self, b: Bucket | ShardBucket, slot: torch.Tensor) -> None:
         s = b.turn % self.num_buffers
         try:
-            self._inflight[s] = comm.broadcast(self._data[b.owner], slot[: b.wire_bytes], 0)
+            if isinstance(b, ShardBucket):  # to its one receiver, member 1 + r of the group
+                self._inflight[s] = self._data[b.owner].send([slot[: b.wire_bytes]], 1 + b.receiver, 0)
+            else:
+                self._inflight[s] = comm.broadcast(self._data[b.owner], slot[: b.wire_bytes], 0)
         except Exception as e:  # noqa: BLE001
             raise self._fail(f"send bucket {b.index}", e) from e
 
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_all("send (flush)")
 
-    def _post_recv(self, b: Bucket) -> None:
+    def _post_recv(self, b: Bucket | ShardBucket) -> None:
         self._allocate()
-        s = b.index % self.num_buffers
+        s = _slot_of(b, self.num_buffers)
         try:
-            self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)
+            if isinstance(b, ShardBucket):
+                self._inflight[s] = self._data[b.owner].recv([self._slots[s][: b.wire_bytes]], 0, 0)
+            else:
+                self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)
         except Exception as e:  # noqa: BLE001
             raise self._fail(f"receive bucket {b.index} from trainer rank {b.owner}", e) from e
 
-    def _wait_recv(self, b: Bucket) -> torch.Tensor:
-        s = b.index % self.num_buffers
+    def _wait_recv(self, b: Bucket | ShardBucket) -> torch.Tensor:
+        s = _slot_of(b, self.num_buffers)
         work = self._inflight.pop(s)
         self._wait(work, f"receive bucket {b.index} from trainer rank {b.owner}")
         return self._slots[s]
+
+
+def _slot_of(b: Bucket | ShardBucket, num_buffers: int) -> int:
+    """A receiver's slot for ``b``: by its position among the buckets this rank receives."""
+    return (b.seq if isinstance(b, ShardBucket) else b.index) % num_buffers

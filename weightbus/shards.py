@@ -1,0 +1,310 @@
+"""Sharded receive, the pure part: which regions of which update tensors each rollout rank
+keeps, and the static schedule that moves exactly those bytes, point to point.
+
+A rollout rank under tensor (or expert) parallelism keeps only part of most tensors: a row
+or column slice, its experts, the q, k and v pieces of a fused parameter, a vocab slice.
+It states that as a :class:`ShardLayout` (update-tensor name -> the :class:`Box` regions it
+keeps). :class:`ShardPlan` is a deterministic function of the manifest, every rollout
+rank's layout, the bucket size and the sender count, so every rank computes the same plan
+and per-bucket metadata never travels (as with :class:`~weightbus.plan.BucketPlan`):
+
+- each tensor is sent by one trainer rank (balanced by the bytes wanted of it, among the
+  ranks that hold it: :attr:`Manifest.homes`), so no tensor is gathered on two ranks;
+- for every (sender, receiver) pair the wanted boxes are packed in manifest order into
+  buckets of ``bucket_size`` bytes (a box larger than a bucket is cut into smaller boxes
+  along its leading dimensions), each piece at an aligned offset;
+- a receiver gets each box it wants exactly once, and nothing else.
+
+A tensor a layout does not name is wanted whole (the rank's fallback: its sink loads whole
+tensors); one it maps to no box is not wanted at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from weightbus.errors import PlanError
+from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Manifest, _align
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular region of a tensor: ``start`` and ``size`` along every dimension
+    (a 0-d tensor's only box has both empty)."""
+
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        return cls((0,) * len(shape), tuple(int(s) for s in shape))
+
+    @classmethod
+    def rows(cls, shape: Sequence[int], begin: int, end: int, dim: int = 0) -> Box:
+        """Indices ``begin:end`` along ``dim``, everything along the other dimensions."""
+        start = [0] * len(shape)
+        size = [int(s) for s in shape]
+        start[dim], size[dim] = begin, end - begin
+        return cls(tuple(start), tuple(size))
+
+    @property
+    def numel(self) -> int:
+        return prod(self.size)
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, a + n) for a, n in zip(self.start, self.size, strict=True))
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This region of ``t`` (a view)."""
+        return t[self.slices]
+
+    def check(self, shape: Sequence[int], what: str) -> None:
+        """Raise :class:`PlanError` unless this box lies inside a tensor of ``shape``."""
+        if len(self.start) != len(shape) or len(self.size) != len(shape) or any(
+                a < 0 or n < 0 or a + n > s for a, n, s in zip(self.start, self.size, shape, strict=True)):
+            raise PlanError(f"{what}: region {self} does not fit a tensor of shape {tuple(shape)}")
+
+    def split(self, max_numel: int) -> list[Box]:
+        """Cut into boxes of at most ``max_numel`` elements (at least one element each),
+        in row-major order, along the leading dimensions first."""
+        if self.numel <= max_numel or not self.size:
+            return [self]
+        d = next(i for i, n in enumerate(self.size) if n > 1)
+        inner = prod(self.size[d + 1:])
+        if inner <= max_numel:  # whole slabs along dim d
+            step = max(1, max_numel // inner)
+            return [self._along(d, a, min(step, self.size[d] - a)) for a in range(0, self.size[d], step)]
+        return [b for a in range(self.size[d]) for b in self._along(d, a, 1).split(max_numel)]
+
+    def _along(self, d: int, offset: int, n: int) -> Box:
+        start, size = list(self.start), list(self.size)
+        start[d] += offset
+        size[d] = n
+        return Box(tuple(start), tuple(size))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{a}:{a + n}" for a, n in zip(self.start, self.size, strict=True)) + "]"
+
+
+class ShardLayout:
+    """What one rollout rank keeps of an update: tensor name -> the boxes it keeps.
+    A name not listed is wanted whole; one mapped to no box is not wanted."""
+
+    def __init__(self, boxes: Mapping[str, Sequence[Box]]):
+        self.boxes: dict[str, tuple[Box, ...]] = {n: tuple(bs) for n, bs in boxes.items()}
+
+    def wants(self, manifest: Manifest, rank: int) -> list[tuple[int, Box]]:
+        """(tensor index, box) for every region this rank keeps of ``manifest``, checked;
+        overlapping boxes of one tensor are refused (a receiver writes each element once)."""
+        out: list[tuple[int, Box]] = []
+        for i, m in enumerate(manifest.metas):
+            boxes = self.boxes.get(m.name)
+            if boxes is None:
+                out.append((i, Box.whole(m.shape)))
+                continue
+            for b in boxes:
+                b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
+            for j, a in enumerate(boxes):
+                for b in boxes[j + 1:]:
+                    if _overlap(a, b):
+                        raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
+                                        f"overlap (each element is received once)")
+            out.extend((i, b) for b in boxes if b.numel)
+        return out
+
+    def to_bytes(self) -> bytes:
+        parts = [struct.pack("<I", len(self.boxes))]
+        for name, boxes in self.boxes.items():
+            raw = name.encode()
+            parts.append(struct.pack("<II", len(raw), len(boxes)) + raw)
+            for b in boxes:
+                parts.append(struct.pack(f"<I{2 * len(b.start)}q", len(b.start), *b.start, *b.size))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ShardLayout:
+        (n,), pos = struct.unpack_from("<I", data), 4
+        boxes: dict[str, list[Box]] = {}
+        for _ in range(n):
+            ln, nb = struct.unpack_from("<II", data, pos)
+            pos += 8
+            name = data[pos:pos + ln].decode()
+            pos += ln
+            boxes[name] = []
+            for _ in range(nb):
+                (dims,) = struct.unpack_from("<I", data, pos)
+                vals = struct.unpack_from(f"<{2 * dims}q", data, pos + 4)
+                pos += 4 + 16 * dims
+                boxes[name].append(Box(tuple(vals[:dims]), tuple(vals[dims:])))
+        return cls(boxes)
+
+    @property
+    def fingerprint(self) -> int:
+        return int.from_bytes(hashlib.blake2b(self.to_bytes(), digest_size=8).digest(), "little") >> 1
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(x < y + m and y < x + n for x, n, y, m in zip(a.start, a.size, b.start, b.size, strict=True))
+
+
+def _pack(items: list[tuple[int, Box, int]], capacity: int) -> Iterator[tuple[tuple[Piece, ...], int]]:
+    """(pieces, used bytes) of each bucket that (tensor, box, itemsize) items fill in order,
+    a box cut where it does not fit one bucket."""
+    pieces: list[Piece] = []
+    used = 0
+    for i, box, item in items:
+        for part in box.split(max(1, capacity // item)):
+            nbytes = part.numel * item
+            off = _align(used)
+            if pieces and off + nbytes > capacity:
+                yield tuple(pieces), used
+                pieces, off = [], 0
+            pieces.append(Piece(i, part, off, nbytes))
+            used = off + nbytes
+    if pieces:
+        yield tuple(pieces), used
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box of one tensor at ``offset`` bytes into its bucket."""
+
+    tensor: int
+    box: Box
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """The bytes one sender moves to one receiver in one message."""
+
+    index: int  # position in the plan
+    owner: int  # the trainer rank that packs and sends it
+    receiver: int  # the rollout rank (0..R-1) it goes to
+    pieces: tuple[Piece, ...]
+    used: int
+    turn: int  # its position among its sender's buckets (senders cycle their slots by it)
+    seq: int  # its position among its receiver's buckets
+
+    @property
+    def trailer_offset(self) -> int:
+        return _align(self.used, 8)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.trailer_offset + TRAILER_BYTES
+
+
+class ShardPlan:
+    """The static schedule of a sharded update (see the module doc). ``layouts`` has one
+    entry per rollout rank (None: that rank takes every tensor whole)."""
+
+    def __init__(self, manifest: Manifest, layouts: Sequence[ShardLayout | None], bucket_size: int,
+                 n_senders: int):
+        if n_senders < 1:
+            raise PlanError(f"n_senders must be >= 1, got {n_senders}")
+        capacity = (bucket_size - TRAILER_BYTES) // 8 * 8
+        if capacity < ALIGNMENT:
+            raise PlanError(f"bucket_size={bucket_size} is too small for a sharded update "
+                            f"(minimum {ALIGNMENT + TRAILER_BYTES})")
+        self.manifest, self.bucket_size, self.n_senders = manifest, bucket_size, n_senders
+        metas = manifest.metas
+        wants = [(layout or ShardLayout({})).wants(manifest, r) for r, layout in enumerate(layouts)]
+        #: per rollout rank, how many tensors it takes whole because its layout does not
+        #: name them (its sink loads those whole: the fallback)
+        self.fallbacks = [sum(1 for m in metas if layout is None or m.name not in layout.boxes)
+                          for layout in layouts]
+        wanted = [0] * len(metas)
+        for w in wants:
+            for i, b in w:
+                wanted[i] += b.numel * metas[i].dtype.itemsize
+        self.senders = self._senders(manifest, wanted, n_senders)
+        buckets: list[ShardBucket] = []
+        turns = [0] * n_senders
+        for r, w in enumerate(wants):
+            seq = 0
+            for s in range(n_senders):
+                for pieces, used in _pack([(i, b, metas[i].dtype.itemsize) for i, b in w
+                                           if self.senders[i] == s], capacity):
+                    buckets.append(ShardBucket(len(buckets), s, r, pieces, used, turns[s], seq))
+                    turns[s], seq = turns[s] + 1, seq + 1
+        self.buckets: tuple[ShardBucket, ...] = tuple(buckets)
+        self._sent = [[b for b in buckets if b.owner == s] for s in range(n_senders)]
+        self._got = [[b for b in buckets if b.receiver == r] for r in range(len(layouts))]
+        self._holds = [{p.tensor for b in sent for p in b.pieces} for sent in self._sent]
+
+    @staticmethod
+    def _senders(manifest: Manifest, wanted: list[int], n: int) -> list[int]:
+        """One sender per tensor: the least loaded (by bytes wanted) of those holding it,
+        the largest tensors placed first; ties go to the lowest rank."""
+        homes = manifest.homes if n > 1 else None
+        load, out = [0] * n, [0] * len(wanted)
+        for i in sorted(range(len(wanted)), key=lambda i: (-wanted[i], i)):
+            held = sorted(homes[i]) if homes is not None and homes[i] is not None else range(n)  # type: ignore[index]
+            held = [h for h in held if h < n]
+            if not held:
+                raise PlanError(f"tensor {manifest[i].name!r} is held by no sender rank below {n}")
+            s = min(held, key=lambda h: (load[h], h))
+            out[i] = s
+            load[s] += wanted[i]
+        return out
+
+    def sent_by(self, sender: int) -> list[ShardBucket]:
+        return self._sent[sender]
+
+    def received_by(self, receiver: int) -> list[ShardBucket]:
+        return self._got[receiver]
+
+    def bytes_for(self, receiver: int) -> int:
+        """Payload bytes rollout rank ``receiver`` receives (no trailers)."""
+        return sum(p.nbytes for b in self._got[receiver] for p in b.pieces)
+
+    def tensors_of(self, sender: int) -> set[int]:
+        """The tensors ``sender`` must hold (it sends boxes of them)."""
+        return self._holds[sender]
+
+    def __iter__(self) -> Iterator[ShardBucket]:
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+
+def chunk_box(shape: Sequence[int], dim: int, rank: int, world: int) -> Box:
+    """Rank ``rank``'s part of a tensor of ``shape`` split along ``dim`` into ``world``
+    parts the way ``torch.chunk`` splits it (ceil-sized parts, the last one shorter; a
+    rank past the end gets an empty part)."""
+    n = int(shape[dim])
+    step = -(-n // world)
+    begin = min(n, rank * step)
+    return Box.rows(shape, begin, min(n, begin + step), dim)
+
+
+def tp_placements(params: Mapping[str, torch.Tensor], rank: int, world: int, *,
+                  split: Mapping[str, tuple[int, Sequence[int]]]
+                  ) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+    """Placements (``engine.set_shard_destinations``) of a tensor-parallel module's
+    parameters, by the caller's shard spec: ``split[name] = (dim, full_shape)`` says the
+    parameter ``name`` holds this rank's :func:`chunk_box` of the update tensor ``name``
+    (of ``full_shape``) along ``dim``; every other parameter is replicated (kept whole).
+    Fused parameters (several update tensors in one) list their pairs by hand."""
+    out: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    for name, p in params.items():
+        if name in split:
+            dim, full = split[name]
+            box = chunk_box(full, dim, rank, world)
+            if tuple(p.shape) != box.size:
+                raise PlanError(f"parameter {name!r} has shape {tuple(p.shape)}, but rank {rank} of {world} "
+                                f"keeps {box} of {tuple(full)} along dim {dim}")
+            out[name] = [(box, p)]
+        else:
+            out[name] = [(Box.whole(p.shape), p)]
+    return out
