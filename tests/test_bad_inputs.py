@@ -31,6 +31,7 @@ from weightbus.engines.colocated import ColocatedEngine
 from weightbus.manager import CheckpointEngineManager
 from weightbus.plan import BucketPlan, Manifest, TensorMeta
 from weightbus.runtime.local import join, spawn
+from weightbus.shards import Box, ShardLayout, ShardPlan, tp_placements
 
 
 def _engine(**kw):
@@ -161,6 +162,23 @@ CASES = [
      WeightbusError, "missing: b"),
     ("sink-unexpected", lambda: ModuleSink({"a": torch.zeros(2)}).load_iter([("a", torch.zeros(2)), ("z", torch.zeros(1))]),
      WeightbusError, "unexpected: z"),
+    # --- sharded receive: placements checked where given (the rest when the plan is made)
+    ("shard-dest-shape", lambda: _engine(role="rollout").set_shard_destinations({"w": [(Box.rows((8, 4), 0, 4), torch.zeros(3, 4))]}),
+     WeightbusError, r"destination of 'w'\[0:4, 0:4\] has shape \(3, 4\), not the region's \(4, 4\)"),
+    ("shard-dest-not-a-box", lambda: _engine(role="rollout").set_shard_destinations({"w": [((0, 4), torch.zeros(4))]}),
+     WeightbusError, "placements of 'w' must be \\(Box, tensor\\) pairs"),
+    ("shard-dest-on-trainer", lambda: _engine(role="trainer").set_shard_destinations({}),
+     WeightbusError, "only a rollout rank states shard destinations"),
+    ("shard-dest-with-delta", lambda: _engine(role="rollout", delta=True).set_shard_destinations({}),
+     WeightbusError, "does not combine with delta"),
+    ("shard-overlap", lambda: ShardPlan(Manifest([TensorMeta("w", torch.float32, (8, 4))]),
+                                        [ShardLayout({"w": [Box.rows((8, 4), 0, 5), Box.rows((8, 4), 4, 8)]})], 1024, 1),
+     WeightbusError, "rollout rank 0, tensor 'w': regions \\[0:5, 0:4\\] and \\[4:8, 0:4\\] overlap"),
+    ("shard-outside", lambda: ShardPlan(Manifest([TensorMeta("w", torch.float32, (8, 4))]),
+                                        [None, ShardLayout({"w": [Box((0, 2), (8, 4))]})], 1024, 1),
+     WeightbusError, "rollout rank 1, tensor 'w': region \\[0:8, 2:6\\] does not fit a tensor of shape \\(8, 4\\)"),
+    ("tp-placement-shape", lambda: tp_placements({"w": torch.zeros(5, 4)}, 1, 2, split={"w": (0, (8, 4))}),
+     WeightbusError, r"'w' has shape \(5, 4\), but rank 1 of 2 keeps \[4:8, 0:4\]"),
 ]
 
 

@@ -61,15 +61,15 @@ LOST += [("nixl", w, "kill") for w in ("trainer", "rollout")] if HAVE_NIXL else 
 LOST += [("mooncake", w, "kill") for w in ("trainer", "rollout")] if HAVE_MOONCAKE else []
 
 
-def _lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False
-              ) -> tuple[dict, list]:
+def _lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False,
+              sharded: bool = False) -> tuple[dict, list]:
     """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
     survivor's report (each must report), and the processes (all ended)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = (port, backend, lost, phase, how, DEADLINE, out)
-    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args), kwargs={"delta": delta})
-             for r in range(3)]
+    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args),
+                         kwargs={"delta": delta, "sharded": sharded}) for r in range(3)]
     for p in procs:
         p.start()
     survivors = {r for r in range(3) if r != lost}
@@ -154,6 +154,27 @@ def test_peer_lost_in_a_delta_update(port, who, phase):
     # reached it)
     words = {"header": re.compile("header|delta: agreeing|bucket \\d+"),
              "mid-update": re.compile("bucket" if who == "trainer" else "bucket|finish"),
+             "final-status": PHASE_WORDS["final-status"]}[phase]
+    for rank, res in results.items():
+        assert res["first"] == "ok", res
+        err = res["error"]
+        assert err is not None and res["seconds"] < DEADLINE * 2 + 5, res  # in time, never a hang
+        assert words.search(err), (rank, err)
+        assert ("trainer" if rank == 0 else "rollout") + " rank" in err, err
+        if rank:
+            assert res["version"] in (1, None), res
+
+
+@pytest.mark.parametrize("phase", ["header", "mid-update", "final-status"])
+@pytest.mark.parametrize("who", ["trainer", "rollout"])
+def test_peer_lost_in_a_sharded_update(port, who, phase):
+    """Sharded receive (gloo, point to point: each rollout keeps its rows): after one good
+    update the trainer or rollout 2 is SIGKILLed at ``phase``; every survivor raises within
+    the deadline naming the phase, and claims no version it does not hold."""
+    results, _ = _lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", sharded=True)
+    # (a rollout lost mid-update is noticed by the trainer at a bucket it sends it, or at
+    # the final status; by the other rollout, which gets its own buckets, at the final status)
+    words = {"header": EITHER, "mid-update": re.compile("bucket \\d+|finish"),
              "final-status": PHASE_WORDS["final-status"]}[phase]
     for rank, res in results.items():
         assert res["first"] == "ok", res

@@ -34,12 +34,27 @@ class _DiesAfter:
             yield item
 
 
+class _Drain:
+    async def load(self, stream):
+        async for _ in stream:
+            pass
+
+
+def _tp_rows(held: dict[str, torch.Tensor], r: int, R: int):
+    """Sharded receive: rollout rank ``r`` keeps its rows of every matrix (the rest whole)."""
+    from weightbus.shards import chunk_box, tp_placements
+    local = {n: torch.zeros(chunk_box(t.shape, 0, r, R).size) if t.dim() == 2 else torch.zeros_like(t)
+             for n, t in held.items()}
+    return tp_placements(local, r, R, split={n: (0, t.shape) for n, t in held.items() if t.dim() == 2})
+
+
 def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: str, deadline: float,
-              out, delta: bool = False) -> None:
+              out, delta: bool = False, sharded: bool = False) -> None:
     """1 trainer (rank 0), 2 rollouts (ranks 1, 2). After one good update, rank ``lost`` is
     SIGKILLed or SIGSTOPped at ``phase`` of the next; the survivors report what they saw.
     ``delta``: in delta mode, sent in rounds (a rollout lost mid-update: at its second
-    bucket's patch)."""
+    bucket's patch). ``sharded``: the rollouts keep their rows of every matrix (sharded
+    receive; a rollout lost mid-update: after its first bucket)."""
     torch.set_num_threads(1)
     T, R = 1, 2
     if delta:
@@ -49,6 +64,8 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
                                           role="trainer" if rank == 0 else "rollout", delta=delta)
     model = Mixed()
     doomed = rank == lost
+    if sharded and rank:
+        engine.set_shard_destinations(_tp_rows(trainer_stream(model), rank - T, R))
     if doomed and phase == "formation":
         rdv.all_gather(engine.prepare())  # (a trainer's segments exist) and it never joins
         _lose(how)
@@ -60,6 +77,8 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
         if delta:  # (it writes in place: contiguous tensors)
             held = {n: t.contiguous() for n, t in held.items()}
         sink = ModuleSink(held)
+        if sharded:  # the rows land in place; the stream yields only what arrives whole
+            sink = _Drain()
         if delta and rank:
             engine.set_destinations(held)
         if rank == 0:
@@ -78,6 +97,16 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
         if rank == 0:
             weights = _DiesAfter(named, 3, how) if doomed and phase == "mid-update" else ModuleSource(named)
             asyncio.run(engine.send_weights(weights))
+        elif doomed and phase == "mid-update" and sharded:
+            import weightbus.engines.sharded as sh
+            real_unpack = sh._Places.unpack
+
+            def unpack_then_lose(self, *a, **k):
+                got = real_unpack(self, *a, **k)
+                _lose(how)
+                return got
+            sh._Places.unpack = unpack_then_lose
+            asyncio.run(sink.load(engine.receive_weights()))
         elif doomed and phase == "mid-update" and delta:
             import weightbus.engines.delta as dm
             real, calls = dm._apply, [0]
