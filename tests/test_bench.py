@@ -60,3 +60,19 @@ def test_bench_delta_row_cpu():
     assert row["verified"] and row["delta_s"] > 0 and not row["delta_full"]
     assert row["delta_wire_fraction"] < 0.15
     assert "delta 2.0% changed" in format_table([row])
+
+
+def test_bench_sharded_row_cpu():
+    """``--rollout-tp 2``: a sharded update to the two TP ranks of a replica, timed next to
+    the broadcast row, every rank verified against its rows, each receiving only its share."""
+    row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=1, gpu=False, timeout=120,
+                                rollout_tp=2))
+    assert row["verified"] and row["scenario"] == "disagg gloo 1->2 TP" and row["sharded_s"] > 0
+    assert all(b < 0.6 * row["bytes"] for b in row["shard_bytes"]), row["shard_bytes"]
+    assert "sharded TP=2" in format_table([row])
+    with pytest.raises(ValueError, match="rollout_tp= applies to the disaggregated scenario"):
+        BenchConfig(scenario="colocated", preset="tiny", gpu=False, rollout_tp=2)
+    with pytest.raises(ValueError, match="rollout_tp must be an int >= 2"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=1)
+    with pytest.raises(ValueError, match="receivers=3 disagrees"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=2, receivers=3)

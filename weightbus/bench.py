@@ -39,6 +39,7 @@ from torch import nn
 from weightbus import comm, presets
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.runtime.local import Rendezvous, connect, spawn
+from weightbus.shards import Box, chunk_box
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 
@@ -70,6 +71,10 @@ class BenchConfig:
     #: disaggregated: also time a delta-mode update after the dense one, each round changing
     #: this fraction of the trainer's elements (one bf16 step each), and report both
     delta: float | None = None
+    #: disaggregated: also time a sharded update to the receivers as the tensor-parallel
+    #: ranks of one replica (each keeps its rows of every matrix, the rest whole) next to
+    #: the dense one (the broadcast row), and report the bytes each rank received
+    rollout_tp: int | None = None
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -93,6 +98,20 @@ class BenchConfig:
             raise ValueError("topology= applies to the nixl backend only")
         if not isinstance(self.receivers, int) or self.receivers < 1:
             raise ValueError(f"receivers must be an int >= 1, got {self.receivers!r}")
+        tp = self.rollout_tp
+        if tp is not None:
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
+                raise ValueError(f"rollout_tp must be an int >= 2 (TP ranks of the replica), got {tp!r}")
+            if self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl"):
+                raise ValueError("rollout_tp= applies to the disaggregated scenario over gloo or nccl "
+                                 "(sharded receive is point to point over their groups)")
+            if self.delta is not None:
+                raise ValueError("rollout_tp= and delta= do not combine (sharded receive has no delta "
+                                 "mode yet)")
+            if self.receivers not in (1, tp):
+                raise ValueError(f"rollout_tp={tp} makes {tp} receivers; receivers={self.receivers} "
+                                 f"disagrees")
+            self.receivers = tp
         if self.receivers > 1 and self.gpu:
             raise ValueError("several receivers run on the CPU only here (one GPU per rank: see "
                              "benchmarks/ for multi-GPU runs)")
@@ -115,7 +134,7 @@ class BenchConfig:
         if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1):
             return self.scenario
         shape = f" {self.topology}" if self.topology else ""
-        return f"disagg {self.engine}{shape} 1->{self.receivers}"
+        return f"disagg {self.engine}{shape} 1->{self.receivers}" + (" TP" if self.rollout_tp else "")
 
 
 # ------------------------------------------------------------------ helpers
@@ -238,7 +257,7 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
 
 
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
-             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None
+             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None, sharded: Any = None
              ) -> tuple[dict[str, list[float]], int]:
     """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
     rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
@@ -246,7 +265,7 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
     if naive is not None and len(cfg.shapes()) > NAIVE_MAX_TENSORS:
         naive = None  # a collective per tensor would take minutes per round
     times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {}) \
-        | ({"delta": []} if delta is not None else {})
+        | ({"delta": []} if delta is not None else {}) | ({"sharded": []} if sharded is not None else {})
     peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
         mutate()
@@ -259,6 +278,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
             got["delta"], delta_peak = _timed_peak(rdv, device, delta)
             if it:  # (the warm-up round allocates the snapshots, counted apart)
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
+        if sharded is not None:
+            got["sharded"] = _timed(rdv, device, sharded)
         if it:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
@@ -403,6 +424,27 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         connect(delta_engine, rdv, 1, cfg.receivers)
         delta_fn = _update_fn(delta_engine, source, delta_weights)
 
+    shard_fn, shard_engine, shards = None, None, None
+    if cfg.rollout_tp:  # a second engine: each rollout rank a TP rank keeping its rows
+        shard_engine = CheckpointEngineRegistry.new(
+            cfg.engine, device=device, timeout=cfg.timeout, role="trainer" if trainer else "rollout",
+            bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None)
+        if not trainer:
+            shards = {n: torch.zeros(_tp_box(s, rank - 1, cfg.rollout_tp).size, dtype=WIRE, device=device)
+                      for n, s in cfg.shapes()}
+            shard_engine.set_shard_destinations({n: [(_tp_box(s, rank - 1, cfg.rollout_tp), shards[n])]
+                                                 for n, s in cfg.shapes()})
+        connect(shard_engine, rdv, 1, cfg.receivers)
+
+        def shard_fn() -> None:
+            if trainer:
+                asyncio.run(shard_engine.send_weights(source))
+            else:
+                async def drain() -> None:  # (every region lands in place: nothing is yielded)
+                    async for _ in shard_engine.receive_weights():
+                        pass
+                asyncio.run(drain())
+
     def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
         for t in weights.values():
@@ -423,7 +465,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             if trainer:
                 _mutate(weights)
     times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
-                           delta_fn)
+                           delta_fn, shard_fn)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -442,8 +484,23 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
                       delta_full=delta_engine.last_full,
                       delta_extra=int(times.pop("delta_peak", [0])[0]) + snaps + _engine_bytes(delta_engine))
         delta_engine.finalize(destroy_group=True)
+    if shard_engine is not None:
+        tp = cfg.rollout_tp
+        if trainer:  # what each TP rank must hold: its rows of every tensor
+            result["shard_checksums"] = [  # type: ignore[arg-type]
+                _checksums({n: _tp_box(t.shape, r, tp).of(t) for n, t in weights.items()}) for r in range(tp)]
+        else:
+            stats = shard_engine.last_stats
+            result.update(shard_checksums=_checksums(shards), shard_bytes=stats.bytes)  # type: ignore[arg-type,union-attr]
+        shard_engine.finalize(destroy_group=True)
     engine.finalize(destroy_group=True)
     return result
+
+
+def _tp_box(shape: tuple[int, ...], r: int, tp: int) -> Box:
+    """TP rank ``r``'s part of a tensor in the bench's sharded rows: its rows of a matrix
+    (any tensor of 2+ dims), the whole of a vector."""
+    return chunk_box(shape, 0, r, tp) if len(shape) >= 2 else Box.whole(shape)
 
 
 def _manifest_of(cfg: BenchConfig) -> Any:
@@ -598,6 +655,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "peak_extra_rollout": max(r["peak_extra"] for r in rollouts),
         "verified": verified, "all_times": trainer["times"],
     }
+    if cfg.rollout_tp:
+        got = [r["shard_bytes"] for r in rollouts]
+        row.update(rollout_tp=cfg.rollout_tp, sharded_s=med["sharded"], shard_bytes=got,
+                   sharded_vs_broadcast=med["sharded"] / med["weightbus"],
+                   verified=verified and all(r["shard_checksums"] == trainer["shard_checksums"][i]
+                                             for i, r in enumerate(rollouts)))
     if cfg.delta is not None:
         row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
                    delta_vs_dense=med["delta"] / med["weightbus"], delta_vs_floor=med["delta"] / med["floor"],
@@ -626,6 +689,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{naive} {r['weightbus_s'] * 1e3:9.1f} {r['weightbus_gbps']:8.1f} {r['ratio']:5.2f}x "
             f"{nratio:>6} {r['peak_extra_trainer'] / 2**30:8.2f}G {r['peak_extra_rollout'] / 2**30:8.2f}G  "
             f"{'OK' if r['verified'] else 'MISMATCH'}")
+        if r.get("sharded_s") is not None:
+            tp = r["rollout_tp"]
+            lines.append(f"{'  sharded TP=' + str(tp):<33} {r['sharded_s'] * 1e3:9.1f} ms = "
+                         f"{r['sharded_vs_broadcast']:.2f}x the broadcast row (target <= {1.1 / tp:.2f}x); "
+                         f"received per rank " + ", ".join(f"{b / 1e6:.1f} MB" for b in r["shard_bytes"])
+                         + f" of {r['bytes'] / 1e6:.1f} MB")
         if r.get("delta_s") is not None:
             lines.append(f"{'  delta ' + format(r['delta_fraction'], '.1%') + ' changed':<33} wire "
                          f"{r['delta_wire_fraction']:6.1%} of dense {r['delta_s'] * 1e3:9.1f} ms = "

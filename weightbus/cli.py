@@ -275,7 +275,8 @@ def _bench(args: argparse.Namespace) -> int:
     engines: list[str | None] = args.backend or [None]
     # the disaggregated scenario's own knobs: they choose it, and refuse any other
     knobs = [k for k, given in (("--backend", args.backend), ("--receivers", args.receivers != 1),
-                                ("--delta", args.delta is not None)) if given]
+                                ("--delta", args.delta is not None),
+                                ("--rollout-tp", args.rollout_tp is not None)) if given]
     if knobs:
         others = sorted(set(args.scenario or ()) - {"disaggregated"})
         if others:
@@ -304,7 +305,8 @@ def _bench(args: argparse.Namespace) -> int:
                                trainer_dtype=args.trainer_dtype, layers=args.layers, backend=e,
                                receivers=args.receivers,
                                topology=args.topology if e == "nixl" else None,
-                               delta=args.delta if s == "disaggregated" else None)
+                               delta=args.delta if s == "disaggregated" else None,
+                               rollout_tp=args.rollout_tp if s == "disaggregated" else None)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         error(str(e))
@@ -387,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--scenario disaggregated (chosen by it): each round change this fraction of the "
                         "trainer's elements (one bf16 step each) and time a delta-mode update next to "
                         "the dense one")
+    b.add_argument("--rollout-tp", type=_int(2, 64, what=" (TP ranks of the rollout replica)"), metavar="N",
+                   help="--scenario disaggregated (chosen by it): the receivers are the N tensor-parallel "
+                        "ranks of one replica; also time a sharded update (each rank receives only its "
+                        "rows) next to the broadcast, and print the bytes each rank received")
     b.add_argument("--iters", type=_int(1, what=" (timed iterations)"), default=5,
                    help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
