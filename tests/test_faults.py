@@ -154,7 +154,13 @@ def test_peer_lost_in_a_delta_update(port, who, phase):
     # reached it)
     words = {"header": re.compile("header|delta: agreeing|bucket \\d+"),
              "mid-update": re.compile("bucket" if who == "trainer" else "bucket|finish"),
-             "final-status": PHASE_WORDS["final-status"]}[phase]
+             "final-status": PHASE_WORDS["final-status"]}
+    _survivors_failed_in_time(results, words[phase])
+
+
+def _survivors_failed_in_time(results: dict, words: re.Pattern) -> None:
+    """Every survivor had its first update, then raised within the deadline naming the
+    phase (``words``) and its own side, and claims no version it does not hold."""
     for rank, res in results.items():
         assert res["first"] == "ok", res
         err = res["error"]
@@ -174,29 +180,26 @@ def test_peer_lost_in_a_sharded_update(port, who, phase):
     results, _ = _lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", sharded=True)
     # (a rollout lost mid-update is noticed by the trainer at a bucket it sends it, or at
     # the final status; by the other rollout, which gets its own buckets, at the final status)
-    words = {"header": EITHER, "mid-update": re.compile("bucket \\d+|finish"),
-             "final-status": PHASE_WORDS["final-status"]}[phase]
-    for rank, res in results.items():
-        assert res["first"] == "ok", res
-        err = res["error"]
-        assert err is not None and res["seconds"] < DEADLINE * 2 + 5, res  # in time, never a hang
-        assert words.search(err), (rank, err)
-        assert ("trainer" if rank == 0 else "rollout") + " rank" in err, err
-        if rank:
-            assert res["version"] in (1, None), res
+    _survivors_failed_in_time(results, {"header": EITHER, "mid-update": re.compile("bucket \\d+|finish"),
+                                        "final-status": PHASE_WORDS["final-status"]}[phase])
 
 
-def test_rank_that_never_joins_fails_formation_in_time(port):
-    """2 of 3 ranks show up: both fail within the deadline naming the formation."""
+def _formation_of(target, ranks, *args) -> list:
+    """Each rank's (rank, error, seconds) from ``target`` in a process of its own."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=workers_faults.partial_group, args=(r, port, DEADLINE, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in ranks]
     for p in procs:
         p.start()
     got = [out.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(10)
-    for rank, err, seconds in got:
+    return got
+
+
+def test_rank_that_never_joins_fails_formation_in_time(port):
+    """2 of 3 ranks show up: both fail within the deadline naming the formation."""
+    for rank, err, seconds in _formation_of(workers_faults.partial_group, (0, 1), port, DEADLINE):
         assert seconds < DEADLINE * 2 + 5, (rank, err, seconds)
         assert "rank" in err, err
 
@@ -204,17 +207,8 @@ def test_rank_that_never_joins_fails_formation_in_time(port):
 def test_rank_that_fails_its_setup_fails_formation_at_once(port):
     """A rank that reaches the rendezvous but cannot set up (Rendezvous.fail) makes every
     rank, itself too, fail at once, naming it and its reason: not at the deadline."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     slow = 30.0  # the deadline: nobody may wait for it
-    procs = [ctx.Process(target=workers_faults.group_with_a_failing_rank, args=(r, port, slow, out))
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    got = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(10)
-    for rank, err, seconds in got:
+    for rank, err, seconds in _formation_of(workers_faults.group_with_a_failing_rank, range(3), port, slow):
         assert seconds < slow / 2, (rank, err, seconds)
         assert "rank 2 failed: vLLM worker 0: cannot make the engine: out of memory" in err, (rank, err)
 

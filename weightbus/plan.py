@@ -235,13 +235,10 @@ class Chunk:
     dst_offset: int
 
 
-@dataclass(frozen=True)
-class Bucket:
-    index: int
-    owner: int
-    chunks: tuple[Chunk, ...]
-    used: int  # payload bytes, end of the last chunk
-    turn: int  # its position among its owner's buckets (senders cycle their slots by it)
+class Framed:
+    """A message of ``used`` payload bytes followed by its trailer (version, index, status)."""
+
+    used: int
 
     @property
     def trailer_offset(self) -> int:
@@ -251,6 +248,15 @@ class Bucket:
     def wire_bytes(self) -> int:
         """Bytes that actually move: the used payload plus the trailer."""
         return self.trailer_offset + TRAILER_BYTES
+
+
+@dataclass(frozen=True)
+class Bucket(Framed):
+    index: int
+    owner: int
+    chunks: tuple[Chunk, ...]
+    used: int  # payload bytes, end of the last chunk
+    turn: int  # its position among its owner's buckets (senders cycle their slots by it)
 
 
 class BucketPlan:

@@ -30,7 +30,7 @@ from math import prod
 import torch
 
 from weightbus.errors import PlanError
-from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Manifest, _align
+from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Framed, Manifest, _align
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class ShardBucket:
+class ShardBucket(Framed):
     """The bytes one sender moves to one receiver in one message."""
 
     index: int  # position in the plan
@@ -193,14 +193,6 @@ class ShardBucket:
     used: int
     turn: int  # its position among its sender's buckets (senders cycle their slots by it)
     seq: int  # its position among its receiver's buckets
-
-    @property
-    def trailer_offset(self) -> int:
-        return _align(self.used, 8)
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.trailer_offset + TRAILER_BYTES
 
 
 class ShardPlan:

@@ -456,12 +456,7 @@ class BucketEngine(CheckpointEngine):
                             packer.pack_bucket(slot, b, tensors)  # type: ignore[arg-type]
                     except Exception as e:  # noqa: BLE001
                         error = f"{self.where()}: bucket {b.index}: {e}"
-                self._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
-                                    buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
-                try:
-                    self._send(b, slot)  # type: ignore[arg-type]
-                except TransferFailed as e:
-                    down = str(e)
+                down = self._ship(b, slot, version, error) or down  # type: ignore[arg-type]
                 wire += b.wire_bytes
                 sent += 1
                 if self.progress is not None:
@@ -477,6 +472,17 @@ class BucketEngine(CheckpointEngine):
         except TransferFailed as e:
             down = down or str(e)
         return error or down, wire
+
+    def _ship(self, b: Any, slot: torch.Tensor, version: int, error: str | None) -> str | None:
+        """Stamp packed bucket ``b`` (with the update's error, if any: its receivers read
+        why) and start sending it; returns the transfer's failure, if it failed."""
+        status = buffers.STATUS_ABORT if error else buffers.STATUS_OK
+        self._stamper.stamp(slot, b, version, status, error or "")
+        try:
+            self._send(b, slot)
+        except TransferFailed as e:
+            return str(e)
+        return None
 
     def _held_tensors(self, stream: Stream) -> list[torch.Tensor] | None:
         """The stream's tensors where its source holds them all (checked in bulk; not again

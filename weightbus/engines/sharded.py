@@ -102,12 +102,7 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, versio
                 _pack(slot, b, manifest, held)
             except Exception as e:  # noqa: BLE001
                 error = f"{engine.where()}: sharded bucket {b.index}: {e}"
-        engine._stamper.stamp(slot, b, version,  # type: ignore[arg-type]
-                              buffers.STATUS_ABORT if error else buffers.STATUS_OK, error or "")
-        try:
-            engine._send(b, slot)  # type: ignore[arg-type]
-        except TransferFailed as e:
-            down = down or str(e)
+        down = down or engine._ship(b, slot, version, error)
         wire += b.wire_bytes
     try:
         engine._flush_send(plan)  # type: ignore[arg-type]
