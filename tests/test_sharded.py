@@ -56,3 +56,16 @@ def test_the_plan_matches_what_the_engines_moved():
         layouts.append(check_placements(ws.placements(ws.rollout_params(r, R), r, R), "test"))
     plan = ShardPlan(Manifest(metas), layouts, 4096, 2)
     assert [plan.bytes_for(r) for r in range(R)] == [_shard_bytes(r) for r in range(R)]
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_torch_tensor_parallel_module_takes_its_dtensor_shards(port, T):
+    """Placements from DTensors (torch's parallelize_module): each rank receives about half
+    of the model (the row-parallel bias is replicated), bitwise, and the TP forward pass
+    equals the trainer's."""
+    from weightbus.comm import free_port
+    out = spawn(ws.torch_tp, T + R, (T, R, port, free_port(), 3), timeout=240)
+    for r in range(R):
+        got = out[T + r]
+        assert got["wrong"] == [], got["wrong"]
+        assert all(b < 0.6 * got["model_bytes"] for b in got["bytes"]), got

@@ -121,3 +121,65 @@ def bad_layout(rank: int, T: int, R: int, port: int) -> dict:
     except Exception as e:  # noqa: BLE001 - the test reads it
         err = str(e)
     return {"error": err, "untouched": bool((dst == 0).all()), "version": engine.version}
+
+
+def _tp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+def torch_tp(rank: int, T: int, R: int, port: int, tp_port: int, steps: int) -> dict:
+    """The rollout is a module under torch's own tensor parallelism (``parallelize_module``:
+    column- then row-parallel), its parameters DTensors; its
+    placements come from them (``dtensor_placements``). After each update every rank's
+    shards equal the trainer's slices, the whole parameters (``full_tensor``) equal the
+    trainer's bitwise, and the TP forward pass matches the trainer's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from weightbus.shards import dtensor_placements
+
+    torch.set_num_threads(1)
+    trainer = rank < T
+    model = _tp_model()
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout", timeout=30)
+    if not trainer:  # the rollout's own TP group: its default group, apart from weightbus's
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank - T, world_size=R)
+        mesh = init_device_mesh("cpu", (R,))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(float("nan"))  # nothing may stay from the start
+        engine.set_shard_destinations(dtensor_placements(dict(model.named_parameters())))
+    connect(engine, rdv, T, R)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(7))
+    out: dict = {"wrong": [], "bytes": []}
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(step)
+        truth = _tp_model()
+        with torch.no_grad():
+            for p in truth.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        if trainer:
+            asyncio.run(engine.send_weights(ModuleSource(truth), version=step))
+            continue
+
+        async def drain():
+            async for _ in engine.receive_weights():
+                pass
+        asyncio.run(drain())
+        want = dict(truth.named_parameters())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if not torch.equal(p.full_tensor(), want[n]):
+                    out["wrong"].append(f"{step}:{n}")
+            if not torch.allclose(model(x), truth(x), rtol=1e-5, atol=1e-5):  # (a sum split over ranks)
+                out["wrong"].append(f"{step}:forward")
+        out["bytes"].append(engine.last_stats.bytes)
+    out["model_bytes"] = sum(p.numel() * 4 for p in _tp_model().parameters())
+    engine.finalize(destroy_group=True)
+    if not trainer:
+        dist.destroy_process_group()
+    return out

@@ -300,3 +300,39 @@ def tp_placements(params: Mapping[str, torch.Tensor], rank: int, world: int, *,
         else:
             out[name] = [(Box.whole(p.shape), p)]
     return out
+
+
+def dtensor_placements(named: Mapping[str, torch.Tensor]) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+    """Placements of a model whose parameters are DTensors (torch's own tensor parallelism,
+    ``parallelize_module``; FSDP2 shards too) or plain tensors: a DTensor keeps the region
+    of the update tensor its local shard holds (``Shard`` along any dimension of any mesh,
+    uneven shards as DTensor makes them, ``Replicate``), written straight into its local
+    tensor; a plain tensor is kept whole. ``Partial`` placements hold no region: refused."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    for name, t in named.items():
+        if not isinstance(t, DTensor):
+            out[name] = [(Box.whole(t.shape), t)]
+            continue
+        start, size = [0] * t.dim(), list(t.shape)
+        coords = t.device_mesh.get_coordinate()
+        if coords is None:  # this rank is not in the tensor's mesh: it keeps nothing of it
+            out[name] = []
+            continue
+        for mesh_dim, p in enumerate(t.placements):  # (DTensor shards in mesh-dimension order)
+            if isinstance(p, Shard) and type(p) is Shard:
+                part = chunk_box(size, p.dim, coords[mesh_dim], t.device_mesh.size(mesh_dim))
+                start[p.dim] += part.start[p.dim]
+                size[p.dim] = part.size[p.dim]
+            elif not isinstance(p, Replicate):
+                raise PlanError(f"parameter {name!r}: placement {p} holds no region of the tensor "
+                                f"(only Shard and Replicate can receive)")
+        with torch.no_grad():
+            local = t.to_local()  # (the DTensor's own storage: written in place)
+        box = Box(tuple(start), tuple(size))
+        if tuple(local.shape) != box.size:
+            raise PlanError(f"parameter {name!r}: its local shard has shape {tuple(local.shape)}, "
+                            f"its placements say {box}")
+        out[name] = [(box, local)]
+    return out
