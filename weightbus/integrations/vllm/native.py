@@ -350,8 +350,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
             failure = e
             if not isinstance(e, WeightSyncError):  # interrupted mid-update: the group is unusable
                 self._interrupted = f"{type(e).__name__}"
-                self.engine.finalize(destroy_group=True)  # (and vLLM's workers fail now)
-            _close_if_broken(self.engine)
+            _close_if_broken(self.engine, force=self._interrupted is not None)  # (vLLM's workers fail now)
         if pending is None:
             if failure is not None:
                 raise failure
@@ -406,10 +405,11 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         self._store = None
 
 
-def _close_if_broken(engine: CheckpointEngine | None) -> None:
-    """A group that lost a peer or a deadline cannot carry updates any more: close it,
-    so that every other rank still waiting in it fails now, not at its own deadline."""
-    if engine is not None and engine.broken:
+def _close_if_broken(engine: CheckpointEngine | None, force: bool = False) -> None:
+    """A group that lost a peer or a deadline (or, ``force``, whose update was interrupted)
+    cannot carry updates any more: close it, so that every other rank still waiting in it
+    fails now, not at its own deadline."""
+    if engine is not None and (engine.broken or force):
         try:
             engine.finalize(destroy_group=True)
         except Exception as e:  # noqa: BLE001 - closing is best effort; the group is re-formed anyway
