@@ -5,6 +5,7 @@ its parameters; the bytes each rank received (the engine's own counter) are its 
 not the model's; a tensor its layout does not name arrives whole and is counted."""
 
 import pytest
+import torch
 import workers_shards as ws
 
 from weightbus.plan import Manifest, TensorMeta
@@ -69,3 +70,31 @@ def test_a_torch_tensor_parallel_module_takes_its_dtensor_shards(port, T):
         got = out[T + r]
         assert got["wrong"] == [], got["wrong"]
         assert all(b < 0.6 * got["model_bytes"] for b in got["bytes"]), got
+
+
+def test_the_manager_sends_a_tp_replica_only_its_shards():
+    """CheckpointEngineManager over local worker groups: 2 trainer ranks, one replica of 2
+    workers under torch's tensor parallelism (placements from its DTensors). Each update
+    lands bitwise; each rollout worker receives about half of the model."""
+    from weightbus.comm import free_port
+    from weightbus.manager import CheckpointEngineManager
+    from weightbus.runtime.group import LocalWorkerGroup, call
+    trainer = LocalWorkerGroup(ws.PlainTrainer, 2, name="trainer")
+    replica = LocalWorkerGroup(ws.TPRollout, 2, free_port(), name="tp-replica")
+    mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=60)
+    try:
+        for step in (1, 2, 3):
+            call(trainer, "step", step, timeout=60)
+            report = mgr.update_weights(version=step)
+            want = call(trainer, "state", timeout=60)[0]
+            for got in call(replica, "full", timeout=60):
+                assert all(torch.equal(got[n], want[n]) for n in want), step
+            assert mgr.versions() == {"tp-replica": step}
+        model = sum(t.numel() * 4 for t in want.values())
+        assert report.bytes == model  # (what the trainers sent: the whole model, once)
+        got = call(replica, "received", timeout=60)
+        assert all(b < 0.6 * model for b in got) and sum(got) < 1.1 * model, got
+    finally:
+        mgr.shutdown()
+        trainer.shutdown()
+        replica.shutdown()

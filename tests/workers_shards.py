@@ -10,6 +10,7 @@ import torch
 from weightbus import CheckpointEngineRegistry, ModuleSource
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.shards import Box, chunk_box, tp_placements
+from weightbus.worker import WeightbusWorker
 
 H = 8
 SHAPES = {
@@ -183,3 +184,52 @@ def torch_tp(rank: int, T: int, R: int, port: int, tp_port: int, steps: int) -> 
     if not trainer:
         dist.destroy_process_group()
     return out
+
+
+class TPRollout(WeightbusWorker):
+    """A manager's rollout worker holding a ``parallelize_module`` model (its TP group is
+    its own default group): its placements come from the DTensors."""
+
+    def __init__(self, rank: int, world: int, tp_port: int):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank, world_size=world)
+        self.model = _tp_model()
+        parallelize_module(self.model, init_device_mesh("cpu", (world,)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    def weights_placements(self):
+        from weightbus.shards import dtensor_placements
+        return dtensor_placements(dict(self.model.named_parameters()))
+
+    def weights_sink(self):
+        from weightbus import ModuleSink
+        return ModuleSink(self.model)
+
+    def received(self) -> int:
+        """Bytes this worker received in the last update (the engine's own counter)."""
+        return self._wb_engine.last_stats.bytes
+
+    def full(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {n: p.full_tensor() for n, p in self.model.named_parameters()}
+
+
+class PlainTrainer(WeightbusWorker):
+    def __init__(self, rank: int, world: int):
+        torch.set_num_threads(1)
+        self.model = _tp_model()
+
+    def step(self, step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def weights_source(self):
+        return ModuleSource(self.model)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.model.state_dict().items()}

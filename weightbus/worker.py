@@ -26,13 +26,26 @@ class EngineHost:
     #: version of the weights this worker fully holds (None: none, or a torn update)
     weights_version: int | None = None
     _wb_engine: CheckpointEngine | None = None
+    _wb_placed: frozenset[str] = frozenset()  # tensors this rollout receives sharded, in place
 
     def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any],
                  replica: str | None = None) -> None:
         if self._wb_engine is not None:
             self._wb_engine.finalize(destroy_group=True)
-        self._wb_engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
-        self._wb_engine.replica = replica
+        self._wb_engine = engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
+        engine.replica = replica
+        self._wb_placed: frozenset[str] = frozenset()
+        placements = self.weights_placements() if role == "rollout" else None
+        if placements is not None and hasattr(engine, "set_shard_destinations"):
+            engine.set_shard_destinations(placements)  # (sharded receive; other engines: whole)
+            self._wb_placed = frozenset(placements)
+
+    def weights_placements(self) -> Any:
+        """A rollout that keeps only part of each tensor (tensor- or expert-parallel):
+        ``{update tensor name: [(Box, destination view), ...]}`` (``weightbus.shards``:
+        ``tp_placements``, ``dtensor_placements``); engines that can (``gloo``, ``nccl``)
+        then send it only those regions, written in place. None (the default): whole tensors."""
+        return None
 
     def wb_connect(self, addr: str, port: int, prefix: str, rank: int, trainer_world_size: int,
                    rollout_world_size: int) -> None:
@@ -129,6 +142,10 @@ class WeightbusWorker(EngineHost):
         engine = self._wb_engine
         start = time.perf_counter()
         sink = self.weights_sink()
+        if self._wb_placed:  # sharded: the placed tensors land in place; the sink takes the rest
+            placed = {sink.name_map(n) if sink.name_map else n for n in self._wb_placed}
+            sink = ModuleSink({n: t for n, t in sink.targets.items() if n not in placed}, strict=sink.strict,
+                              allow_cast=sink.allow_cast, name_map=sink.name_map)
         if getattr(engine, "delta", False) and engine._dest is None:
             engine.set_destinations(sink.targets)  # delta mode patches in place
         stream = engine.receive_weights()
@@ -149,7 +166,8 @@ class WeightbusWorker(EngineHost):
             self.weights_version = None
             raise RuntimeError(f"received version {engine.version}, expected {version}")
         self.weights_version = version
-        return {"seconds": time.perf_counter() - start, "bytes": report.bytes, "tensors": report.loaded}
+        got = engine.last_stats.bytes if self._wb_placed and engine.last_stats else report.bytes
+        return {"seconds": time.perf_counter() - start, "bytes": got, "tensors": report.loaded}
 
 
     async def wb_pull(self, mode: str = "abort") -> int | None:
