@@ -227,15 +227,15 @@ def test_vllm_worker_outcomes_name_every_failure(port):
     t0 = time.monotonic()
     got = outcomes.gather(store, "p", "update", 7, range(3), timeout=0.5)
     assert time.monotonic() - t0 < 5
-    msg = outcomes.failure(got, "update to version 7")
+    msg = outcomes.failure_of(got, "update to version 7")
     assert msg.startswith("update to version 7 failed on 3 vLLM worker(s): ")
     assert "rollout rank 0: vLLM worker 0: rejected; rollout rank 1: vLLM worker 1: rejected" in msg
     assert "rollout rank 2 reported no outcome of update within 0.5s" in msg and "torn" in msg
-    both = outcomes.failure(got[:2], "update to version 7")
+    both = outcomes.failure_of(got[:2], "update to version 7")
     assert both.endswith(f"[{KEPT}]")
     same = [o(0, False, "trainer rank 0 died", kept=False), o(1, False, "trainer rank 0 died")]
-    assert "rollout ranks 0, 1: trainer rank 0 died [" in outcomes.failure(same, "u")
-    assert outcomes.failure([o(0), o(1)], "u") is None
+    assert "rollout ranks 0, 1: trainer rank 0 died [" in outcomes.failure_of(same, "u")
+    assert outcomes.failure_of([o(0), o(1)], "u") is None
 
 
 def test_manager_resumes_healthy_replicas_whatever_fails():

@@ -373,22 +373,11 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 raise WeightSyncError(f"vLLM did not answer update_weights within {timeout:.0f}s")
         except Exception as e:  # noqa: BLE001 - vLLM's own error (the engine died, a bad request)
             failure = failure or e
-        got = outcomes.gather(self._store, self._prefix, "update", version,
-                              range(self.info.rollout_world_size), timeout if pending.done() else 1.0)
-        why = outcomes.failure(got, f"update to version {version}")
-        ok = why is None and failure is None
-        if why is None and failure is not None:
-            why = f"update to version {version} failed: {failure}"
-        torn = [o.rank for o in got if not o.kept]
-        try:
-            self.client.finish_weight_update(str(version) if ok else None)
-            if torn and hasattr(self.client, "mark_torn"):
-                self.client.mark_torn(torn)
-        except Exception as e:  # noqa: BLE001
-            if ok:
-                raise
-            why = f"{why}; then closing vLLM's update failed too: {e}"
-        if ok:
+        why = outcomes.settle(self._store, self._prefix, version, range(self.info.rollout_world_size),
+                              timeout, failure, f"update to version {version}",
+                              self.client.finish_weight_update,
+                              getattr(self.client, "mark_torn", lambda ranks: None))
+        if why is None:
             return
         if isinstance(failure, Exception) or failure is None:
             raise WeightSyncError(why) from failure

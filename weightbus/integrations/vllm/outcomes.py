@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +97,7 @@ def gather(store: Any, prefix: str, call: str, version: int, ranks: Iterable[int
     return out
 
 
-def failure(outcomes: Iterable[Outcome], what: str) -> str | None:
+def failure_of(outcomes: Iterable[Outcome], what: str) -> str | None:
     """One message naming every failed worker and its cause, and whether the model kept
     its previous weights; None if every worker succeeded."""
     failed = [o for o in outcomes if not o.ok]
@@ -113,3 +113,27 @@ def failure(outcomes: Iterable[Outcome], what: str) -> str | None:
     state = KEPT if kept else "some layers may hold the new weights: the model is torn until a " \
                               "complete update"
     return f"{what} failed on {len(failed)} vLLM worker(s): {causes} [{state}]"
+
+
+def settle(store: Any, prefix: str, version: int, ranks: Iterable[int], timeout: float,
+           failure: BaseException | None, what: str, finish: Callable[[str | None], None],
+           mark_torn: Callable[[list[int]], None]) -> str | None:
+    """The driver's end of an update, once vLLM's call has returned (or failed with
+    ``failure``): every worker's outcome read, vLLM's update closed with ``finish`` (the
+    version only if every worker succeeded), the torn ranks handed to ``mark_torn``.
+    Returns None on success, else one message naming every failure."""
+    got = gather(store, prefix, "update", version, ranks, timeout if failure is None else 1.0)
+    why = failure_of(got, what)
+    ok = why is None and failure is None
+    if why is None:
+        why = None if ok else f"{what} failed: {failure}"
+    torn = [o.rank for o in got if not o.kept]
+    try:
+        if torn:  # (first: a replica that holds some new layers is never left under a version)
+            mark_torn(torn)
+        finish(str(version) if ok else None)
+    except Exception as e:  # noqa: BLE001 - reported with the update's own failure
+        if ok:
+            raise
+        why = f"{why}; then closing vLLM's update failed too: {e}"
+    return why

@@ -291,9 +291,8 @@ class RolloutClient:
         """The rollouts holding these rollout ranks may serve a mix of old and new layers
         after a failed update: their weight version becomes ``"none"`` until an update
         completes (what they generate meanwhile is from no single version)."""
-        hit = {i for i, o in enumerate(self.offsets) for r in ranks if o <= r < o + self.rollouts[i].size}
-        self._each("update_weight_version", lambda r, _: r.set_weight_version("none")
-                   if self.rollouts.index(r) in hit else None)
+        self._each("update_weight_version", lambda r, first: r.set_weight_version("none")
+                   if any(first <= t < first + r.size for t in ranks) else None)
 
     def _each(self, what: str, call: Callable[[Rollout, int], Any]) -> list[Any]:
         futs = [self._pool.submit(call, r, o) for r, o in zip(self.rollouts, self.offsets, strict=True)]
@@ -446,18 +445,12 @@ class VLLMEngineReplica(_ReplicaBase):
             r.update_weights({"version": version})
         except Exception as e:  # noqa: BLE001 - vLLM's own error (a dead engine, a deadline)
             failure = e
-        got = outcomes.gather(self._store, prefix, "update", version, range(first, first + self.size),
-                              timeout if failure is None else 1.0)
-        why = outcomes.failure(got, f"{self.name}: update to version {version}")
-        if why is None and failure is None:
-            r.finish_weight_update(str(version))
+        why = outcomes.settle(self._store, prefix, version, range(first, first + self.size), timeout, failure,
+                              f"{self.name}: update to version {version}", r.finish_weight_update,
+                              lambda torn: r.set_weight_version("none"))  # (loading had begun)
+        if why is None:
             return {"bytes": 0}
-        try:
-            r.finish_weight_update(None)
-        finally:
-            if any(not o.kept for o in got):  # loading had begun: the model may be torn
-                r.set_weight_version("none")
-        raise WeightbusError(why or f"{self.name}: update to version {version}: {failure}")
+        raise WeightbusError(why)
 
     def _version(self) -> int | None:
         v = self.rollout.weight_version()
