@@ -3,6 +3,11 @@ trainer rank 0 (transformers, bf16, here, next to the offline LLM) -> gloo -> vL
 ``load_weights`` inside its layerwise reload, the whole pause -> update -> resume step.
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_update.py --size tiny --size 3b
+
+``--tp 2`` runs vLLM with tensor parallelism (one core per worker here); ``--sharded on``
+/ ``off`` forces sharded receive (each worker receives only the regions its loaders keep,
+written in place; the default at TP > 1) or whole tensors. The table shows the bytes each
+worker's engine received and how many tensors fell back to vLLM's loader.
 """
 
 from __future__ import annotations
@@ -60,7 +65,13 @@ def _reload_floor(worker, metas: list) -> float:
     return best
 
 
-def run(size: str, updates: int, self_check: int, check_layers: int) -> dict:
+def _received(worker) -> tuple[int, int]:
+    stats = worker.weight_transfer_engine._engine.last_stats
+    return stats.bytes, stats.fallbacks or 0
+
+
+def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1,
+        sharded: bool | None = None) -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -80,14 +91,18 @@ def run(size: str, updates: int, self_check: int, check_layers: int) -> dict:
     model.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     llm = vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                   max_model_len=256, max_num_seqs=4, weight_transfer_config={"backend": "weightbus"})
+                   max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp,
+                   weight_transfer_config={"backend": "weightbus"})
     start = time.perf_counter() - t0
     client = RolloutClient([OfflineLLMRollout(llm)])
     source = HFCheckpointSource(model)  # checkpoint names and layouts, a tied head once
-    info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=1, timeout=600,
+    info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=tp, timeout=600,
                                     master_address="127.0.0.1", master_port=free_port(),
-                                    self_check_every=self_check, self_check_layers=check_layers)
+                                    self_check_every=self_check, self_check_layers=check_layers,
+                                    sharded=sharded)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
         t0 = time.perf_counter()
@@ -104,8 +119,11 @@ def run(size: str, updates: int, self_check: int, check_layers: int) -> dict:
             transfers.append(stats.seconds)
         assert llm.get_weight_version() == str(updates + 1)
         metas = [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in source.manifest]
-        floor = llm.collective_rpc(_reload_floor, args=(metas,))[0]
-        return {"size": size, "tensors": len(source.manifest), "self_check": self_check,
+        got = llm.collective_rpc(_received)
+        floor = max(llm.collective_rpc(_reload_floor, args=(metas,)))
+        return {"size": size, "tp": tp, "worker_mb": max(b for b, _ in got) / 1e6,
+                "fallbacks": max(f for _, f in got), "tensors": len(source.manifest),
+                "self_check": self_check,
                 "params": params, "bytes": stats.bytes, "engine_start_s": start,
                 "first_update_s": first, "update_s": statistics.median(totals),
                 "transfer_s": statistics.median(transfers), "floor_s": floor}
@@ -124,17 +142,25 @@ if __name__ == "__main__":
                    help="vLLM's self-check on every N-th update (default 0: off)")
     p.add_argument("--self-check-layers", type=int, default=4, metavar="L",
                    help="layers it samples each time (0: all; it holds a copy of each) (default 4)")
+    p.add_argument("--tp", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
+    p.add_argument("--sharded", choices=["auto", "on", "off"], default="auto",
+                   help="sharded receive (auto: where TP > 1)")
     a = p.parse_args()
-    rows = [run(s, a.updates, a.self_check, a.self_check_layers) for s in a.size or ["tiny"]]
+    sharded = {"auto": None, "on": True, "off": False}[a.sharded]
+    rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, sharded) for s in a.size or ["tiny"]]
     # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
     # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer);
     # floor s: vLLM's own layerwise reload of the same shapes from memory, best of 3
-    print(f"{'size':<6} {'tensors':>7} {'check':>5} {'params':>14} {'MB bf16':>8}"
+    # worker MB: what the busiest vLLM worker's engine received; fallbacks: tensors it took
+    # whole through vLLM's loader in a sharded update
+    print(f"{'size':<6} {'tp':>2} {'tensors':>7} {'check':>5} {'params':>14} {'MB bf16':>8} {'worker MB':>9} "
+          f"{'fallbacks':>9}"
           f" {'vLLM start s':>12} {'1st update s':>12} "
           f"{'update s':>9} {'transfer s':>10} {'GB/s':>6} {'floor s':>8} {'ratio':>6}")
     for r in rows:
-        print(f"{r['size']:<6} {r['tensors']:>7} {r['self_check']:>5} {r['params']:>14,} "
-              f"{r['bytes'] / 1e6:>8.1f} {r['engine_start_s']:>12.1f} "
+        print(f"{r['size']:<6} {r['tp']:>2} {r['tensors']:>7} {r['self_check']:>5} {r['params']:>14,} "
+              f"{r['bytes'] / 1e6:>8.1f} {r['worker_mb']:>9.1f} {r['fallbacks']:>9} "
+              f"{r['engine_start_s']:>12.1f} "
               f"{r['first_update_s']:>12.2f} {r['update_s']:>9.3f} {r['transfer_s']:>10.3f} "
               f"{r['bytes'] / r['transfer_s'] / 1e9:>6.2f} {r['floor_s']:>8.3f} "
               f"{r['update_s'] / r['floor_s']:>5.2f}x")

@@ -34,15 +34,23 @@ def test_readme_block_runs_or_has_a_twin(marker, lang, code, tmp_path):
             assert (ROOT / twin).is_file(), f"the fragment's twin {twin} is missing"
         return
     assert lang == "python", f"a {lang} block must name its runnable twins (<!-- fragment: ... -->):\n{code}"
+    if marker.startswith("<!-- run: vllm-python"):
+        assert (ROOT / "tests" / "test_vllm_readme.py").is_file()
+        pytest.skip("needs vLLM: the vLLM suite runs it (tests/test_vllm_readme.py)")
+    run_block(marker, code, tmp_path)
+
+
+def run_block(marker, code, tmp_path, python=sys.executable):
+    """Run one block as written, under the launcher its marker names."""
     script = tmp_path / "block.py"
     script.write_text(code)
     run = re.match(r"<!-- run: (.*?) -->", marker)
     launcher = run.group(1).split() if run else ["python"]
     if launcher[0] == "torchrun":
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--master-port", _port(), *launcher[1:]]
-    elif launcher[0] == "python":
-        launcher = [sys.executable, *launcher[1:]]
-    out = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=180,
+        launcher = [python, "-m", "torch.distributed.run", "--master-port", _port(), *launcher[1:]]
+    elif launcher[0] in ("python", "vllm-python"):
+        launcher = [python]
+    out = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300,
                          env=_env(), cwd=tmp_path)
     assert out.returncode == 0, \
         f"this README block fails as written:\n{code}\n{out.stdout}\n{out.stderr[-3000:]}"

@@ -48,6 +48,19 @@ def test_a_region_no_source_holds_fails_before_a_byte_moves(port):
     assert out[T]["untouched"] and out[T + 1]["untouched"]
 
 
+def test_layouts_stated_per_update_travel_with_it(port):
+    T = 2
+    out = spawn(ws.changing_layout, T + R, (T, R, port), timeout=120)
+    for rank, res in enumerate(out):
+        assert res["error"] and "rollout rank 3: its shard layout for version 3: the loaders changed" \
+            in res["error"], (rank, res)
+        assert res["version"] == 2
+    for r in range(R):
+        res = out[T + r]
+        assert res["held"] == [True, True, True], res  # update 3 wrote nothing anywhere
+        assert res["bytes"] == [4 * 8 * 4] * 2  # its half of q.weight, nothing else
+
+
 def test_the_plan_matches_what_the_engines_moved():
     """The test's expectation comes from the plan the engines compute (a pure function)."""
     metas = [TensorMeta(n, ws.weights(1)[n].dtype, s) for n, s in ws.SHAPES.items()]

@@ -18,6 +18,14 @@ correct update whose greedy tokens equal transformers' on the trainer's weights:
 - ``sync_weights`` interrupted between pause and resume: the engine ends resumed;
 - under ``CheckpointEngineManager``: the replica is kept, its failure reported with the
   cause, its next update succeeds; removing and re-adding it still works.
+
+Every update here is a sharded one (a TP=2 replica gets one by default): each worker
+receives only the regions its vLLM loaders keep, written in place. The sharded rows below
+check that from FSDP2 trainers of 1, 2 and 3 ranks: each worker's engine counted exactly
+its shard's bytes (by the rules of tensor parallelism, not weightbus's plan), nothing fell
+back to whole tensors, vLLM serves transformers' tokens, and every parameter equals a
+fresh engine's loaded from the trainer's checkpoint; a loader swapped between updates is
+recorded again (a loader that computes on its bytes gets the tensor whole, counted).
 """
 
 import os
@@ -28,11 +36,14 @@ vllm = pytest.importorskip("vllm")
 
 from vllm_workers import (  # noqa: E402
     BreakingSource,
+    FSDPFamilyTrainer,
     HFCheckpointTrainer,
     Trainers,
     clear_faults,
     inject_fault,
     make_family_model,
+    received,
+    swap_loader,
     vllm_param_digests,
 )
 
@@ -240,3 +251,72 @@ def test_manager_keeps_a_failed_tp_replica(tp2):
         mgr.shutdown()
         trainer.shutdown()
         replica.shutdown()
+
+
+# ------------------------------------------------------------------ sharded receive
+
+
+def start_tp2(path):
+    return vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                    max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=2,
+                    weight_transfer_config={"backend": "weightbus"})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fsdp_trainers_send_each_worker_only_its_shard(tp2, world, tmp_path):
+    from weightbus.comm import free_port as port
+    name, path, llm = tp2
+    group = LocalWorkerGroup(FSDPFamilyTrainer, world, path, port(), name="fsdp")
+    replica = VLLMEngineReplica(OfflineLLMRollout(llm), name="vllm0")
+    mgr = CheckpointEngineManager("gloo", group, [replica], timeout=T, pause_mode="keep")
+    try:
+        total, shard = call(group, "shard_bytes", 2, timeout=T)[0]
+        for step in range(70 + 10 * world, 72 + 10 * world):
+            call(group, "train_step", step, timeout=T)
+            mgr.update_weights(version=step)
+            assert greedy(llm) == call(group, "greedy", PROMPTS, 8, timeout=T)[0], step
+            assert llm.collective_rpc(received) == [(shard, 0), (shard, 0)], (total, shard)
+        assert shard < 0.6 * total
+        if world == 3:  # every parameter as a fresh engine loads it from the trainer's checkpoint
+            call(group, "save", str(tmp_path), timeout=T)
+            fresh = start_tp2(str(tmp_path))
+            try:
+                want, held = fresh.collective_rpc(vllm_param_digests), digests(llm)
+                for w, h in zip(want, held, strict=True):
+                    assert [n for n in w if h[n] != w[n]] == [], f"{name}: differs from a fresh load"
+                assert greedy(fresh) == greedy(llm)
+            finally:
+                fresh.llm_engine.engine_core.shutdown()
+    finally:
+        mgr.shutdown()
+        group.shutdown()
+        replica.shutdown()
+
+
+def test_a_swapped_loader_is_recorded_again(tp2, free_port):
+    """Worker 1's o_proj gets a loader that computes on its bytes: from the next update
+    on that tensor reaches worker 1 whole (a fallback, counted) and goes through its
+    loader; one that refuses fails the update before any byte is loaded, naming worker 1;
+    the usual loader back, every tensor is placed again."""
+    name, path, llm = tp2
+    o_proj = "model.layers.0.self_attn.o_proj"
+    tr = Trainers(path, free_port, OfflineLLMRollout(llm), world=1, timeout=T)
+    try:
+        good_update(llm, tr, 91)
+        assert [f for _, f in llm.collective_rpc(received)] == [0, 0]
+        llm.collective_rpc(swap_loader, args=(1, o_proj, "copy"))
+        good_update(llm, tr, 92)
+        (b0, f0), (b1, f1) = llm.collective_rpc(received)
+        assert (f0, f1) == (0, 1) and b1 > b0
+        llm.collective_rpc(swap_loader, args=(1, o_proj, "refuse"))
+        served = digests(llm)
+        tr.each("train_step", 93)
+        with pytest.raises(WeightSyncError, match="rollout rank 1: .*no more updates") as err:
+            tr.update(93)
+        assert KEPT in str(err.value) and digests(llm) == served
+        llm.collective_rpc(swap_loader, args=(1, o_proj, None))
+        good_update(llm, tr, 94)
+        assert [f for _, f in llm.collective_rpc(received)] == [0, 0]
+    finally:
+        llm.collective_rpc(swap_loader, args=(1, o_proj, None))
+        tr.close()

@@ -3,7 +3,7 @@
 import torch
 
 from weightbus import ModuleSource
-from weightbus.integrations.vllm.demo import greedy_tokens, lm_train_step
+from weightbus.integrations.vllm.demo import FSDPTrainer, greedy_tokens, lm_train_step
 from weightbus.worker import WeightbusWorker
 
 
@@ -208,39 +208,60 @@ def set_rebuild(worker, on):
 def inject_fault(worker, rank, kind, arg):
     """Runs in a vLLM worker (``llm.collective_rpc(inject_fault, args=(rank, kind, arg))``):
     on worker ``rank`` only, the next real load (not the preflight's dry run on meta
-    tensors) fails: ``raise`` after ``arg`` tensors reached vLLM's ``load_weights``, or
-    ``slow`` sleeps ``arg`` seconds before its first tensor. One shot."""
+    tensors) fails: ``raise`` after ``arg`` tensors reached vLLM (its ``load_weights``,
+    or, in a sharded update, regions written in place), or ``slow`` sleeps ``arg`` seconds
+    before its first tensor. One shot."""
     import time
+
+    from weightbus.integrations.vllm.loader import VLLMModelLoader
     if worker.rank != rank:
         return
     model = worker.model_runner.model
     original = model.load_weights
+    place = VLLMModelLoader.__dict__.get("_unfaulted_place", VLLMModelLoader.place)
+    VLLMModelLoader._unfaulted_place = place
+    landed = [0]
+
+    def disarm():
+        model.__dict__.pop("load_weights", None)
+        VLLMModelLoader.place = place
+
+    def arrive():
+        if kind == "slow" and landed[0] == 0:
+            time.sleep(arg)
+            disarm()
+        landed[0] += 1
+        if kind == "raise" and landed[0] > arg:
+            disarm()
+            raise RuntimeError(f"injected loader failure after {arg} tensors")
 
     def load_weights(weights):
         weights = iter(weights)
         first = next(weights, None)
         if first is None or first[1].is_meta:  # the preflight's dry run: untouched
             return original(([first] if first else []) + list(weights))
-        del model.load_weights  # one shot
 
         def faulty():
-            yield first
-            for landed, item in enumerate(weights, start=1):
-                if kind == "raise" and landed == arg:
-                    raise RuntimeError(f"injected loader failure after {arg} tensors")
+            for item in [first, *weights]:
+                arrive()
                 yield item
-        if kind == "slow":
-            time.sleep(arg)
         return original(faulty())
 
+    def placing(self, name, box, data):
+        arrive()
+        return place(self, name, box, data)
+
     model.load_weights = load_weights
+    VLLMModelLoader.place = placing
 
 
 def clear_faults(worker):
     """Runs in a vLLM worker: remove a fault :func:`inject_fault` left unfired."""
-    model = worker.model_runner.model
-    if "load_weights" in model.__dict__:
-        del model.load_weights
+    from weightbus.integrations.vllm.loader import VLLMModelLoader
+    worker.model_runner.model.__dict__.pop("load_weights", None)
+    saved = VLLMModelLoader.__dict__.get("_unfaulted_place")
+    if saved is not None:
+        VLLMModelLoader.place = saved
 
 
 # ------------------------------------------------------------------ trainer ranks around one vLLM
@@ -299,3 +320,68 @@ class Trainers:
         finally:
             if self.others:
                 self.others.shutdown()
+
+
+# ------------------------------------------------------------------ sharded receive
+
+def received(worker):
+    """Runs in a vLLM worker: (payload bytes, fallbacks) its engine counted for the last
+    update (a sharded update: this worker's regions, and the tensors it took whole)."""
+    stats = worker.weight_transfer_engine._engine.last_stats
+    return stats.bytes, stats.fallbacks
+
+
+def swap_loader(worker, rank, module, kind):
+    """Runs in a vLLM worker: on worker ``rank``, ``module``'s weight gets another loader
+    from the next update on (set where vLLM's reload restores loaders from): ``copy``
+    computes on the bytes it gets (a copy of them) before the usual loader, ``refuse``
+    raises; ``None`` puts the usual one back."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
+    if worker.rank != rank:
+        return
+    layer = dict(worker.model_runner.model.named_modules())[module]
+    meta = get_layerwise_info(layer).restore_metadata[0]["weight"]
+    usual = meta.__dict__.setdefault("_usual_loader", _get_original_loader(meta))
+    if kind is None:
+        meta.weight_loader = usual
+        return
+
+    def loader(param, loaded_weight, *args, **kwargs):
+        if kind == "refuse":
+            raise ValueError("this loader takes no more updates")
+        bound = usual.__func__.__get__(layer) if hasattr(usual, "__func__") else usual
+        return bound(param, loaded_weight.clone(), *args, **kwargs)
+
+    meta.weight_loader = loader
+
+
+class FSDPFamilyTrainer(FSDPTrainer):
+    """One trainer rank: a family model (``make_family_model``) under FSDP2 over its own
+    gloo world, sending checkpoint names and layouts (a MoE's experts one by one)."""
+
+    def weights_source(self):
+        from weightbus.integrations.hf import HFCheckpointSource
+        return HFCheckpointSource(self.model)
+
+    def shard_bytes(self, tp):
+        """What one rank of a TP=``tp`` vLLM keeps of the update, by the rules of tensor
+        parallelism (not by weightbus's plan): norms and the MoE router replicated, k/v
+        replicated when the model has fewer KV heads than ranks, everything else split."""
+        cfg = self.model.config
+        total = kept = 0
+        for m in self.weights_source().manifest.metas:
+            total += m.nbytes
+            whole = "norm" in m.name or m.name.endswith("mlp.gate.weight") or (
+                cfg.num_key_value_heads < tp and any(f"self_attn.{p}_proj" in m.name for p in "kv"))
+            kept += m.nbytes if whole else m.nbytes // tp
+        return total, kept
+
+    def save(self, path):
+        """Every rank (it gathers); rank 0 writes a checkpoint vLLM loads."""
+        from safetensors.torch import save_file
+
+        from weightbus.integrations.hf import checkpoint_state_dict
+        sd = {n: t.detach().contiguous() for n, t in checkpoint_state_dict(self.model).items()}
+        if self.rank == 0:
+            self.model.config.save_pretrained(path)
+            save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})

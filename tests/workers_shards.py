@@ -124,6 +124,60 @@ def bad_layout(rank: int, T: int, R: int, port: int) -> dict:
     return {"error": err, "untouched": bool((dst == 0).all()), "version": engine.version}
 
 
+class Halves:
+    """Destinations that state their layout per update (as vLLM's, recorded from its
+    loaders): rank r keeps rows r of 2 of ``q.weight`` at even updates, the other half at
+    odd ones; rank 1 cannot make its layout at update 3."""
+
+    def __init__(self, r: int):
+        self.r, self.update = r, 0
+        self.dst = torch.zeros(4, H)
+
+    def layout(self, manifest):
+        from weightbus.shards import ShardLayout
+        self.update += 1
+        if self.update == 3 and self.r == 1:
+            raise RuntimeError("the loaders changed under it")
+        half = (self.r + self.update) % 2
+        self.box = Box.rows(SHAPES["q.weight"], 4 * half, 4 * half + 4)
+        return ShardLayout({"q.weight": [self.box], **{n: [] for n in SHAPES if n != "q.weight"}})
+
+    def place(self, name, box, data):
+        self.dst[box.start[0] - self.box.start[0]:][:box.size[0]].copy_(data)
+
+
+def changing_layout(rank: int, T: int, R: int, port: int) -> dict:
+    """Layouts that change between updates travel with them (each rank ends holding the
+    half it stated, bitwise, and receives only it); one that cannot be made fails the
+    update on every rank, naming the rank, and no rank writes a byte of it."""
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if rank < T else "rollout", timeout=30)
+    dests = Halves(rank - T) if rank >= T else None
+    if dests is not None:
+        engine.set_shard_destinations(dests)
+    connect(engine, rdv, T, R)
+    out: dict = {"held": [], "bytes": [], "error": None}
+    for step in (1, 2, 3):
+        try:
+            if rank < T:
+                asyncio.run(engine.send_weights(ModuleSource(weights(step)), version=step))
+            else:
+                async def take():
+                    return [n async for n, _ in engine.receive_weights()]
+                assert asyncio.run(take()) == []
+                out["bytes"].append(engine.last_stats.bytes)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["error"] = str(e)
+        if dests is not None:
+            if step < 3:
+                kept = dests.box  # (update 3's layout may differ: it must have written nothing)
+            out["held"].append(torch.equal(dests.dst, kept.of(weights(min(step, 2))["q.weight"])))
+    out["version"] = engine.version
+    engine.finalize(destroy_group=True)
+    return out
+
+
 def _tp_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))

@@ -93,10 +93,14 @@ class BucketEngine(CheckpointEngine):
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
-        #: sharded updates (engines/sharded.py): every rollout rank's layout (None: whole
-        #: tensors, the broadcast path), this rank's placements, plans, fallbacks counted
+        #: sharded updates (engines/sharded.py): whether the group shards (agreed when it
+        #: forms), every rollout rank's layout this update and the (fingerprint, layout)
+        #: each stated last, this rank's destinations, plans, fallbacks counted
+        self._sharding = False
+        self._refused = False  # (sharded) a rollout rank refused this update before its data
         self._layouts: list[ShardLayout | None] | None = None
-        self._shard_dests: sharded.Placements | None = None
+        self._layout_seen: list[tuple[int | None, ShardLayout | None]] = []
+        self._shard_dests: sharded.Destinations | None = None
         self._shard_plans: dict[tuple[int, int, int], ShardPlan] = {}
         self._sharded_got: tuple[int, int] | None = None  # (payload bytes, fallbacks) received
         self._stamper = buffers.Stamper()
@@ -256,6 +260,10 @@ class BucketEngine(CheckpointEngine):
         self._ctl_wait(comm.allreduce_max(self._ctl, flags), "finish")
         self._finish_agreed(version, error, flags)
 
+    def _broadcast_ctl(self, t: torch.Tensor, root: int, phase: str) -> None:
+        """``t`` from control-group rank ``root`` to every rank."""
+        self._ctl_wait(comm.broadcast(self._ctl, t, root), phase)
+
     def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
         """Every rank of the update ends with the element-wise max of everyone's ``t``."""
         self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
@@ -366,6 +374,8 @@ class BucketEngine(CheckpointEngine):
                      f"{manifest.first_difference(stream.manifest)}")
         if stream is not None and stream.strict_dtype:
             self._stream_manifest = stream.manifest
+        if self._sharding:
+            error = sharded.agree_layouts(self, manifest, version, error)
         self._begin(version)
         error, wire, buckets = self._transfer(manifest, stream if error is None else None, version, error)
         _log.debug("%s: version %d: %d buckets out after %.3f s", self.where(), version, buckets,
@@ -396,7 +406,7 @@ class BucketEngine(CheckpointEngine):
         way); returns (error, bytes moved, buckets). ``stream`` is None after an error."""
         if self.delta:
             return delta_mode.send(self, manifest, stream, version, error)
-        if self._layouts is not None:
+        if self._sharding:
             return sharded.send(self, manifest, stream, version, error)
         plan = self._plan(manifest)
         error, wire = self._send_buckets(plan, stream, version, error)
@@ -572,6 +582,8 @@ class BucketEngine(CheckpointEngine):
                 validate(manifest)
             except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
                 error = f"{self.where()}: rejected version {version} before loading: {e}"
+        if self._sharding:
+            error = sharded.agree_layouts(self, manifest, version, error)
         return start, version, manifest, error
 
     def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None,
@@ -588,7 +600,7 @@ class BucketEngine(CheckpointEngine):
         if self.delta:
             yield from self._receive_delta(start, version, manifest, error, on_complete, batched)
             return
-        if self._layouts is not None:
+        if self._sharding:
             yield from sharded.receive(self, start, version, manifest, error, on_complete, batched)
             return
         plan = self._plan(manifest)

@@ -12,6 +12,7 @@ rollouts T..T+R-1):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check
 from weightbus.engines.bucket import BucketEngine
 from weightbus.errors import PlanError
 from weightbus.plan import Bucket, BucketPlan
-from weightbus.shards import ShardBucket, ShardLayout
+from weightbus.shards import ShardBucket
 
 
 @CheckpointEngineRegistry.register("hccl", pg_backend="hccl")
@@ -46,29 +47,35 @@ class CollectiveEngine(BucketEngine):
         self._held: dict[int, int] = {}  # slot -> the bucket it last sent (for errors)
         self._formed = 0  # how many times a group was formed under _formed_token
         self._formed_token = ""
-        self._my_layout: ShardLayout | None = None  # a rollout rank's (set_shard_destinations)
 
     # --- lifecycle ---------------------------------------------------------------------
-    def set_shard_destinations(self, placements: sharded.Placements | None) -> None:
+    def set_shard_destinations(self, placements: sharded.Placements | sharded.Destinations | None) -> None:
         """Rollout rank, before ``prepare()``: receive only these regions of the update
-        tensors, point to point, each written straight into its destination:
-        ``{name: [(Box, destination view of the box's shape), ...]}`` (a fused parameter
-        lists one pair per source tensor; a replicated one the whole box). A tensor not
-        named arrives whole through the stream, as without placements (counted in
-        ``UpdateStats.fallbacks``); one named with no pair is not received. The layout
-        travels when the group forms; ``None`` takes whole tensors again (form anew)."""
+        tensors, point to point, each written straight where it lands. Either fixed
+        placements, ``{name: [(Box, destination view of the box's shape), ...]}`` (a fused
+        parameter lists one pair per source tensor; a replicated one the whole box), or a
+        :class:`~weightbus.engines.sharded.Destinations` that states its layout per
+        manifest and writes each region itself (vLLM's). A tensor a layout does not name
+        arrives whole through the stream, as without placements (counted in
+        ``UpdateStats.fallbacks``); one named with no region is not received. The group
+        learns that it shards when it forms; ``None`` takes whole tensors again (form anew)."""
         if self.delta and placements is not None:
             raise PlanError(f"{self.where()}: sharded receive does not combine with delta=True yet")
         if self.role == "trainer":
             raise PlanError(f"{self.where()}: only a rollout rank states shard destinations")
-        self._my_layout = None if placements is None else sharded.check_placements(placements, self.where())
-        self._shard_dests = placements
+        if placements is None or isinstance(placements, sharded.Destinations):
+            self._shard_dests = placements
+        elif isinstance(placements, Mapping):
+            self._shard_dests = sharded.Placed(placements, self.where())
+        else:
+            raise PlanError(f"{self.where()}: shard destinations must be a mapping of placements or "
+                            f"a Destinations (layout() and place()), got {type(placements).__name__}")
 
     def prepare(self) -> dict[str, Any]:
         # buckets are allocated once the group agrees on their size (init_process_group)
         meta = {"addr": comm.local_address(), "device": str(self.device), **self.buffer_metadata()}
-        if self._my_layout is not None:
-            meta["layout"] = self._my_layout.to_bytes()
+        if self._shard_dests is not None:
+            meta["sharded"] = True
         return self._store_metadata(meta)
 
     def _allocate(self) -> None:
@@ -88,24 +95,22 @@ class CollectiveEngine(BucketEngine):
                   "master_addr": master["addr"], "master_port": master["port"],
                   "token": master["token"], "bucket_size": agree_buffers(trainer_world_size, metadata)}
         T, R = trainer_world_size, rollout_world_size
-        layouts = [m.get("layout") for m in metadata[T:]]
-        if any(x is not None for x in layouts):  # (sharded receive: every rank plans with them)
-            common["layouts"] = layouts
+        if any(m.get("sharded") for m in metadata[T:]):  # (the layouts travel with each update)
+            common["sharded"] = True
         trainer = {k: [v] * T for k, v in common.items()} | {"rank": list(range(T))}
         rollout = {k: [v] * R for k, v in common.items()} | {"rank": list(range(T, T + R))}
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
                            master_addr: str, master_port: int, token: str,
-                           bucket_size: int | None = None, layouts: list[bytes | None] | None = None,
-                           ) -> None:
+                           bucket_size: int | None = None, sharded: bool = False) -> None:
         """Join the groups. ``bucket_size`` is the size the group agreed on (see
         :func:`~weightbus.engines.base.agree_buffers`); this rank's buckets follow it.
-        ``layouts``: every rollout rank's shard layout (sharded receive), if any stated one."""
+        ``sharded``: a rollout rank stated shard destinations (every update agrees on the
+        layouts, and moves regions point to point)."""
         T, R = trainer_world_size, rollout_world_size
-        self._layouts = None if layouts is None else \
-            [None if x is None else ShardLayout.from_bytes(x) for x in layouts]
-        self._shard_plans = {}
+        self._sharding, self._layouts, self._shard_plans = bool(sharded), None, {}
+        self._layout_seen = [(None, None)] * R
         if bucket_size is not None and bucket_size != self.bucket_size:
             self._wait_all("resize buckets")
             self._bucket_size, self._slots = int(bucket_size), []

@@ -1,14 +1,20 @@
 """Sharded updates: every rollout rank receives, point to point, only the regions of the
-update tensors that its layout keeps (:mod:`weightbus.shards`), written straight into its
-destinations; tensors its layout does not name arrive whole and are yielded as usual.
+update tensors that its layout keeps (:mod:`weightbus.shards`), written straight where
+they land; tensors its layout does not name arrive whole and are yielded as usual.
 
-The rollout ranks state their layouts when the group forms (``set_shard_destinations``
-before ``prepare()``); every rank then computes the same :class:`~weightbus.shards.ShardPlan`
-per manifest. A sender packs the boxes of the tensors the plan gives it (cast into the
-bucket), stamps each bucket's trailer as the broadcast path does, and sends it to its one
-receiver; a receiver takes its buckets in the plan's order. Every sender walks its buckets
-receiver by receiver and every receiver its buckets sender by sender, both orders
-consistent with one global order of (receiver, sender, bucket): no cycle of waits.
+A rollout rank states where its regions land as :class:`Destinations`
+(``set_shard_destinations``): fixed placements (:class:`Placed`, from
+``dtensor_placements`` or a shard spec), or an object that derives its layout from each
+manifest (vLLM's loaders, recorded per manifest) and writes each region itself. The
+group knows at formation that it shards; then, after every header, the ranks agree on
+the rollout ranks' layouts (:func:`agree_layouts`: one small all-reduce of their
+fingerprints; a layout's bytes travel only when it changed), and every rank computes
+the same :class:`~weightbus.shards.ShardPlan`. A sender packs the boxes of the tensors
+the plan gives it (cast into the bucket), stamps each bucket's trailer as the broadcast
+path does, and sends it to its one receiver; a receiver takes its buckets in the plan's
+order. Every sender walks its buckets receiver by receiver and every receiver its
+buckets sender by sender, both orders consistent with one global order of (receiver,
+sender, bucket): no cycle of waits.
 
 A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` /
 ``_wait_recv`` given a :class:`~weightbus.shards.ShardBucket` (``owner`` -> ``receiver``).
@@ -17,7 +23,7 @@ A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +38,38 @@ BucketEngine = Any
 
 #: name -> the (region of the update tensor, destination view of that region's shape)
 Placements = Mapping[str, Sequence[tuple[Box, torch.Tensor]]]
+
+_NONE = -1  # a rollout rank without a layout (it takes every tensor whole)
+_UNSAID = -(1 << 62)  # (all-reduce: a slot another rank fills)
+
+
+@runtime_checkable
+class Destinations(Protocol):
+    """Where a rollout rank's sharded updates land."""
+
+    def layout(self, manifest: Manifest) -> ShardLayout | None:
+        """The regions this rank keeps of ``manifest``'s tensors (None: all whole). Called
+        after every header, before any byte moves; it may change between updates."""
+
+    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Write ``data`` (region ``box`` of update tensor ``name``, a view of a bucket:
+        copy it before returning) where it lands. ``box`` lies inside one of the boxes
+        :meth:`layout` stated for ``name``."""
+
+
+class Placed:
+    """Fixed destinations: each region written into its own destination view."""
+
+    def __init__(self, placements: Placements, where: str):
+        self.placements, self._layout = placements, check_placements(placements, where)
+
+    def layout(self, manifest: Manifest) -> ShardLayout:
+        return self._layout
+
+    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+        outer, dst = next((b, d) for b, d in self.placements[name] if _inside(box, b))
+        dst[tuple(slice(a - o, a - o + n) for a, n, o in
+                  zip(box.start, box.size, outer.start, strict=True))].copy_(data)
 
 
 def check_placements(placements: Placements, where: str) -> ShardLayout:
@@ -49,8 +87,51 @@ def check_placements(placements: Placements, where: str) -> ShardLayout:
     return ShardLayout(boxes)
 
 
+def agree_layouts(engine: BucketEngine, manifest: Manifest, version: int, error: str | None) -> str | None:
+    """Every rank, after the header of a sharded group: agree on every rollout rank's
+    layout for this update (one all-reduce of their fingerprints and sizes; the bytes of
+    a layout that changed since the last update, from its rank). A rollout rank whose
+    layout cannot be made (or that failed before) keeps its last one; its error fails
+    the update, and no rollout rank writes a byte of it. Returns the update's error."""
+    T = engine.n_senders
+    R = engine.world_size - T
+    mine: ShardLayout | None = None
+    r = engine.rank - T
+    if engine.role == "rollout":
+        kept = engine._layout_seen[r]
+        mine = kept[1]
+        if error is None and engine._shard_dests is not None:
+            try:
+                mine = engine._shard_dests.layout(manifest)
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{engine.where()}: its shard layout for version {version}: {e}"
+    raw = mine.to_bytes() if mine is not None else b""
+    said = torch.full((2 * R + 1,), _UNSAID, dtype=torch.int64)
+    if engine.role == "rollout":
+        said[r], said[R + r] = (mine.fingerprint if mine is not None else _NONE), len(raw)
+        said[2 * R] = 1 if error else 0
+    engine._reduce_max(said, "header (shard layouts)")
+    # a rollout rank that refused the update (its preflight) stops every other from
+    # writing a byte of it: no replica is left half-updated by its peer's refusal
+    engine._refused = bool(said[2 * R] > 0)
+    for q in range(R):
+        fp, n = int(said[q]), int(said[R + q])
+        if engine._layout_seen[q][0] == fp:
+            continue
+        layout = None
+        if fp != _NONE:
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if q == r else \
+                torch.empty(n, dtype=torch.uint8)
+            engine._broadcast_ctl(data, T + q, f"header (shard layout of rollout rank {q})")
+            layout = mine if q == r else ShardLayout.from_bytes(bytes(data.numpy()))
+        engine._layout_seen[q] = (fp, layout)
+    engine._layouts = [lay for _, lay in engine._layout_seen]
+    return error
+
+
 def plan_of(engine: BucketEngine, manifest: Manifest) -> ShardPlan:
-    key = (manifest.fingerprint, engine.bucket_size, engine.n_senders)
+    said = tuple(fp for fp, _ in engine._layout_seen)
+    key = (manifest.fingerprint, engine.bucket_size, engine.n_senders, said)
     plan = engine._shard_plans.get(key)
     if plan is None:
         plan = ShardPlan(manifest, engine._layouts, engine.bucket_size, engine.n_senders)  # type: ignore[arg-type]
@@ -125,13 +206,13 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
     """Rollout rank: take this rank's buckets; write placed regions into their
     destinations, yield the tensors this rank takes whole (assembled) when complete."""
     plan = None
-    if error is None:
-        try:
-            plan = plan_of(engine, manifest)
-        except PlanError as e:
-            error = f"{engine.where()}: sharded plan of version {version}: {e}"
+    try:  # (after a failure too: the senders send their buckets, as abort notices)
+        plan = plan_of(engine, manifest)
+    except PlanError as e:  # every rank computes the same plan: every rank fails here alike
+        error = error or f"{engine.where()}: sharded plan of version {version}: {e}"
     mine = plan.received_by(engine.rank - engine.n_senders) if plan is not None else []
-    places = _Places(engine._shard_dests or {}, manifest)
+    layout = engine._layouts[engine.rank - engine.n_senders] if plan is not None else None
+    places = _Places(engine._shard_dests, layout, manifest)
     closed = False
     wire = 0
     nb = engine.num_buffers
@@ -144,7 +225,7 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
             status, msg = buffers.check_trailer(slot, b, version, engine.where())  # type: ignore[arg-type]
             if status != buffers.STATUS_OK and error is None:
                 error = msg or f"{engine.where()}: sharded bucket {b.index} arrived with status {status}"
-            if error is None and not closed:
+            if error is None and not closed and not engine._refused:
                 engine.version = None  # from the first byte written on, the old version is gone
                 try:
                     done = places.unpack(slot, b)
@@ -174,11 +255,12 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
 
 
 class _Places:
-    """Where each received piece lands: into the destination view of the region that
-    holds it, or into a whole tensor being assembled (yielded once its last piece is in)."""
+    """Where each received piece lands: where the destinations put the region that holds
+    it, or into a whole tensor being assembled (yielded once its last piece is in)."""
 
-    def __init__(self, placements: Placements, manifest: Manifest):
-        self.placements, self.manifest = placements, manifest
+    def __init__(self, dests: Destinations | None, layout: ShardLayout | None, manifest: Manifest):
+        self.dests, self.manifest = dests, manifest
+        self.placed = layout.boxes if layout is not None and dests is not None else {}
         self.whole: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (assembling, elements left)
 
     def unpack(self, slot: torch.Tensor, b: ShardBucket) -> list[tuple[str, torch.Tensor]]:
@@ -186,11 +268,8 @@ class _Places:
         for p in b.pieces:
             m = self.manifest[p.tensor]
             src = slot[p.offset:p.offset + p.nbytes].view(m.dtype).view(p.box.size)
-            pairs = self.placements.get(m.name)
-            if pairs is not None:
-                box, dst = next((box, dst) for box, dst in pairs if _inside(p.box, box))
-                dst[tuple(slice(a - o, a - o + n) for a, n, o in
-                          zip(p.box.start, p.box.size, box.start, strict=True))].copy_(src)
+            if m.name in self.placed:
+                self.dests.place(m.name, p.box, src)  # type: ignore[union-attr]
                 continue
             t, left = self.whole.get(p.tensor) or (torch.empty(m.shape, dtype=m.dtype, device=slot.device),
                                                    m.numel)

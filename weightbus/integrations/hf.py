@@ -36,7 +36,9 @@ def _groups(model: Any) -> list[dict[str, torch.Tensor]]:
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        local = _local(t)
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape)) \
+            if local.numel() else None
         if key is not None and key in seen:
             continue
         if key is not None:
@@ -45,12 +47,35 @@ def _groups(model: Any) -> list[dict[str, torch.Tensor]]:
     return list(groups.values())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _gathered(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A module's tensors whole: an FSDP2 (DTensor) shard is gathered, a collective that
+    every rank of its mesh runs in the same order."""
+    from torch.distributed.tensor import DTensor
+    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in group.items()}
+
+
 def checkpoint_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """``model``'s weights under its checkpoint's names and layouts, as ``save_pretrained``
-    would write them (some are copies: call it again after the weights change)."""
+    would write them (some are copies: call it again after the weights change). A model
+    under FSDP2 is gathered module by module (every rank calls it)."""
     out: dict[str, torch.Tensor] = {}
     for group in _groups(model):
-        out.update(_convert(model, group))
+        out.update(_convert(model, _gathered(group)))
+    return out
+
+
+def _checkpoint_metas(model: Any) -> dict[str, torch.Tensor]:
+    """The names, shapes and dtypes :func:`checkpoint_state_dict` gives, on the meta
+    device (nothing gathered or copied)."""
+    out: dict[str, torch.Tensor] = {}
+    for group in _groups(model):
+        metas = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in group.items()}
+        out.update(_convert(model, metas))
     return out
 
 
@@ -58,16 +83,17 @@ class HFCheckpointSource:
     """A transformers model as a weight source, under its checkpoint's names and layouts.
 
     Converted anew at every update, one module at a time (the extra memory is one
-    module's converted weights). ``dtype`` is the wire dtype of floating-point tensors,
-    as for :class:`~weightbus.sources.ModuleSource`."""
+    module's converted weights). Under FSDP2 each module is gathered first, on every rank
+    (every rank iterates the source whole, as the engines do). ``dtype`` is the wire dtype
+    of floating-point tensors, as for :class:`~weightbus.sources.ModuleSource`."""
 
     def __init__(self, model: Any, *, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
-        self.manifest = ModuleSource(checkpoint_state_dict(model), dtype=dtype).manifest
+        self.manifest = ModuleSource(_checkpoint_metas(model), dtype=dtype).manifest
 
     def _converted(self) -> Iterator[tuple[str, torch.Tensor]]:
         for group in _groups(self.model):
-            yield from _convert(self.model, group).items()
+            yield from _convert(self.model, _gathered(group)).items()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._converted():

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus.errors import WeightbusError
+from weightbus.integrations.vllm.placement import Placement, Recorder, intersect, within
 from weightbus.integrations.vllm.processing import (
     RebuildHooks,
     SelfCheck,
@@ -40,6 +41,7 @@ from weightbus.integrations.vllm.processing import (
     self_check_from_env,
 )
 from weightbus.plan import Manifest
+from weightbus.shards import Box, ShardLayout
 
 #: Ends the error of an update that failed before anything loaded.
 KEPT = "vLLM kept its previous weights"
@@ -80,18 +82,25 @@ class VLLMModelLoader:
         where: names this worker in errors.
         self_check: compare sampled layers with a fresh load after updates (see
             :class:`~.processing.SelfCheck`); by default from ``WEIGHTBUS_VLLM_SELF_CHECK``.
+        places: record where each tensor's bytes land at the preflight (:mod:`.placement`),
+            so that the engine can write received regions in place (:meth:`layout`,
+            :meth:`place`: sharded receive).
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, partial: bool = False,
-                 where: str = "vLLM worker", self_check: SelfCheck | None = None):
+                 where: str = "vLLM worker", self_check: SelfCheck | None = None, places: bool = False):
         self.model, self.model_config = model, model_config
         self.partial, self.where = partial, where
+        self.places = places and _reload_internals() is not None
+        self._placement: tuple[int, Placement] | None = None  # (manifest fingerprint, placement)
+        self._placed_bytes = 0
         self.self_check = self_check if self_check is not None else self_check_from_env()
         self._reload = layerwise_reload()
         self._hooks: RebuildHooks | None = None
         self._active = self._touched = False
         self._counted: _Counting | None = None
-        self._verdicts: dict[int, str | None] = {}  # manifest fingerprint -> rejection reason
+        #: (manifest fingerprint, loaders) -> (rejection reason, where its bytes land)
+        self._verdicts: dict[tuple[int, int], tuple[str | None, Placement | None]] = {}
         #: seconds of the last update: in total, waiting for bytes, finalizing
         self.timing: dict[str, float] = {}
 
@@ -108,13 +117,72 @@ class VLLMModelLoader:
         if not self._active:
             self._begin()
         fp = manifest.fingerprint
-        if fp not in self._verdicts:
-            self._verdicts[fp] = _dry_run(self.model, manifest, self.partial) if self._reload else None
+        key = (fp, _loaders_key(self.model))  # (a loader swapped since: checked and recorded anew)
+        if key not in self._verdicts:
+            self._verdicts[key] = self._check(manifest)
             while len(self._verdicts) > 8:
                 self._verdicts.pop(next(iter(self._verdicts)))
-        reason = self._verdicts[fp]
+        reason, placement = self._verdicts[key]
         if reason:
             raise RejectedUpdate(f"{self.where}: {reason} [{KEPT}]")
+        self._placement = (fp, placement) if placement is not None else None
+
+    def _check(self, manifest: Manifest) -> tuple[str | None, Placement | None]:
+        if not self._reload:
+            return None, None
+        if not self.places:
+            return _dry_run(self.model, manifest, self.partial), None
+        begin = time.perf_counter()
+        recorder = Recorder()
+        reason = _dry_run(self.model, manifest, self.partial, recorder)
+        if reason:
+            plain = _dry_run(self.model, manifest, self.partial)
+            if plain is None:  # the tracked stand-ins failed, not the update: no placement
+                _log.warning("weightbus %s: recording where each tensor lands failed (%s); this "
+                             "manifest's tensors arrive whole", self.where, reason)
+            return plain, None
+        placement = recorder.result(manifest, _placeable)
+        _log.info("weightbus %s: placement of manifest %#x recorded in %.3f s: %s", self.where,
+                  manifest.fingerprint, time.perf_counter() - begin, placement.describe())
+        return None, placement
+
+    def layout(self, manifest: Manifest) -> ShardLayout | None:
+        """The regions of ``manifest``'s tensors this worker keeps, as recorded from vLLM's
+        loaders at the preflight (None: it takes every tensor whole)."""
+        if self._placement is None or self._placement[0] != manifest.fingerprint:
+            return None
+        return self._placement[1].layout
+
+    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+        """Write region ``box`` of update tensor ``name`` into the parameters vLLM's loaders
+        would have written it to, inside the layerwise reload: the layer is materialized
+        at its first region, and processed (and copied into its kernel tensors) by vLLM
+        once every element of it is in, as a loader call would."""
+        internals = _reload_internals()
+        if self._placement is None or internals is None:
+            raise WeightbusError(f"{self.where}: region {box} of {name!r} arrived, but no placement is "
+                                 f"recorded")
+        layerwise_info, materialize, process = internals
+        self._touched = True
+        for sc in self._placement[1].scatters.get(name, ()):
+            inner = intersect(sc.box, box)
+            if inner is None:
+                continue
+            info = layerwise_info.get(sc.layer)
+            if info is None or not info.can_load():
+                raise WeightbusError(f"{self.where}: region {inner} of {name!r} lands in {sc.layer_name}, "
+                                     f"which vLLM has already processed in this update")
+            param = getattr(sc.layer, sc.param)
+            if param.is_meta:
+                materialize(sc.layer, info)
+                for fill in self._placement[1].fills.get(sc.layer, ()):  # (vocab padding zeroed)
+                    fill.apply(getattr(sc.layer, fill.param))
+                param = getattr(sc.layer, sc.param)
+            sc.view(param)[within(inner, sc.box)].copy_(data[within(inner, box)])
+            info.load_numel += inner.numel
+            if info.load_numel >= info.load_numel_total:
+                process(sc.layer, info)
+        self._placed_bytes += data.numel() * data.element_size()
 
     def release(self, slot: torch.Tensor) -> None:
         """The engine is about to reuse ``slot`` (a bucket): vLLM's layerwise reload holds
@@ -138,7 +206,7 @@ class VLLMModelLoader:
         self-check fails the update on every rank); a stream that cannot call
         ``on_release`` must be given ``own=True`` (every view of a bucket is copied)."""
         counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
-        self._touched = False
+        self._touched, self._placed_bytes = False, 0
         start = time.perf_counter()
         self.timing = {"finalize": 0.0, "check": 0.0}
         try:
@@ -158,7 +226,8 @@ class VLLMModelLoader:
         t = self.timing
         t.update(seconds=time.perf_counter() - start, waiting=counted.waiting)
         _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
-                  "load_weights, %.3f s finalizing, %.3f s self-check", self.where, counted.bytes / 1e6,
+                  "load_weights, %.3f s finalizing, %.3f s self-check", self.where,
+                  (counted.bytes + self._placed_bytes) / 1e6,
                   t["seconds"], t["waiting"], t["seconds"] - t["waiting"] - t["finalize"] - t["check"],
                   t["finalize"], t["check"])
         return counted.bytes, counted.tensors
@@ -230,6 +299,44 @@ class VLLMModelLoader:
 # ------------------------------------------------------------------ the dry run
 
 
+def _reload_internals() -> tuple[Any, Any, Any] | None:
+    """vLLM's layerwise-reload table, its layer materialization and its per-layer
+    processing, which writing regions in place drives as a loader call would (vLLM's
+    own sharded transfer engine drives the same ones); None where this vLLM lacks them."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _layerwise_process
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+    except ImportError:
+        return None
+    return LAYERWISE_INFO, materialize_layer, _layerwise_process
+
+
+def _loaders_key(model: torch.nn.Module) -> int:
+    """Which weight loader every parameter has now (by identity): a loader swapped between
+    two updates of the same manifest must be dry-run (and recorded) again."""
+    out = []
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                f = _unwrapped(_loader_of(p))
+                out.append(id(getattr(f, "__func__", f)))
+    return hash(tuple(out))
+
+
+def _placeable(layer: torch.nn.Module, param: str) -> str | None:
+    """Why a region recorded into ``param`` of ``layer`` cannot be written in place."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_MODULES
+    if param in SKIP_LOAD_TENSORS or type(layer).__name__ in SKIP_MODULES:
+        return "vLLM's reload does not load it"
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return None
+    if is_deferred_attention_layer(layer):
+        return "vLLM processes attention layers at the end of an update"
+    return None
+
+
 class _CopyCounter(TorchDispatchMode):
     """Counts elements written by ``copy_`` (a loader may narrow, then copy)."""
 
@@ -256,11 +363,13 @@ def _loader_of(t: torch.Tensor) -> Any:
         return None
 
 
-def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str | None:
+def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
+             recorder: Recorder | None = None) -> str | None:
     """Run ``model.load_weights`` over meta tensors shaped like ``manifest``, with every
     parameter's (unwrapped) loader writing into a meta stand-in. Returns why the update
     would fail, or None. Called inside a layerwise reload, where parameters are already
-    meta tensors; the few that stay real (``bias``) get a meta copy."""
+    meta tensors; the few that stay real (``bias``) get a meta copy. With a ``recorder``,
+    the stand-ins of the update's tensors are tracked (:mod:`.placement`)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -268,6 +377,7 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
     # reload gives tied weights (lm_head, embed_tokens) separate meta stand-ins, but only
     # one of them is in the checkpoint
     params: dict[int, tuple[str, torch.Tensor]] = {}
+    owner: dict[int, tuple[torch.nn.Module, str, str]] = {}
     storage: dict[int, int] = {}
     for mod_name, mod in model.named_modules():
         kernel = get_layerwise_info(mod).kernel_tensors
@@ -275,6 +385,7 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
             if p is None or id(p) in params:
                 continue
             params[id(p)] = (f"{mod_name}.{pname}" if mod_name else pname, p)
+            owner[id(p)] = (mod, mod_name, pname)
             k = kernel[0].get(pname) if kernel else None
             src = k if k is not None else p
             storage[id(p)] = src.data_ptr() if not src.is_meta else id(p)
@@ -288,7 +399,12 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
                 # a loader's copy_ would cast it silently (bools or integers into weights)
                 raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
             with _CopyCounter() as counter:
-                out = original(meta, *args, **kwargs)
+                if recorder is None:
+                    out = original(meta, *args, **kwargs)
+                else:
+                    mod, mod_name, pname = owner[key]
+                    out = recorder.loading(mod, mod_name, pname, meta, w,
+                                           lambda: original(meta, *args, **kwargs))
             loaded[key] += counter.numel
             return out
         return load
@@ -305,7 +421,8 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool) -> str |
     def metas() -> Iterator[tuple[str, torch.Tensor]]:
         for m in manifest:
             current[0] = m.describe()
-            yield m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")
+            yield m.name, (recorder.tracked(m.name, m.shape, m.dtype) if recorder is not None
+                           else torch.empty(m.shape, dtype=m.dtype, device="meta"))
 
     try:
         try:

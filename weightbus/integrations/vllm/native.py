@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,6 +58,7 @@ from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck
 from weightbus.plan import Manifest, TensorMeta
 from weightbus.runtime.local import Rendezvous, connect
+from weightbus.shards import Box, ShardLayout
 from weightbus.sources import ModuleSource
 
 NAME = "weightbus"
@@ -87,6 +89,10 @@ class WeightbusInitInfo(WeightTransferInitInfo):
     #: (0: all); unset (-1): from ``WEIGHTBUS_VLLM_SELF_CHECK`` in the worker
     self_check_every: int = -1
     self_check_layers: int = 0
+    #: sharded receive: each worker receives only the regions its loaders keep, written
+    #: in place (None: where vLLM runs more than one worker and the transport can; see
+    #: :mod:`.placement`)
+    sharded: bool | None = None
 
 
 @dataclass
@@ -110,7 +116,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         self._store: Any = None  # the group's rendezvous store: outcomes go there
         self._prefix = NAME
         self._loaders: dict[tuple[int, bool], VLLMModelLoader] = {}
-        self._partial = False
+        self._partial = self._sharded = False
+        self._own: list[Exception] = []  # this worker's own failure in the update under way
         self._self_check: SelfCheck | None = None
         pc = self.parallel_config
         #: this worker's index among the replica's workers (data parallel included)
@@ -140,6 +147,11 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                 engine = CheckpointEngineRegistry.new(init_info.transport, role="rollout", **kwargs)
             except Exception as e:  # noqa: BLE001
                 rdv.fail(f"{self.where()}: {e}")  # raises here too
+            sharded = init_info.sharded if init_info.sharded is not None else \
+                int(self.parallel_config.world_size) > 1
+            self._sharded = bool(sharded) and hasattr(engine, "set_shard_destinations")
+            if self._sharded:  # (each update's layout comes from the loader's preflight)
+                engine.set_shard_destinations(_ToLoader(self))  # type: ignore[attr-defined]
             connect(engine, rdv, T, R)
             self._engine, self._partial = engine, init_info.partial
             self._store, self._prefix = rdv.store, init_info.prefix
@@ -157,7 +169,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             if key not in self._loaders:  # kept per target: it caches its verdict per manifest
                 self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
                                                      partial=self._partial, where=self.where(),
-                                                     self_check=self._self_check)
+                                                     self_check=self._self_check, places=self._sharded)
             self._loader = self._loaders[key]
         except Exception as e:  # noqa: BLE001
             self._start_error = e
@@ -173,12 +185,16 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             self._receive(update_info)
         _close_if_broken(self._engine)
         if self._store is not None:
-            outcomes.post(self._store, self._prefix, "update", update_info.version, done[0])
+            outcome = done[0]
+            if outcome.ok and self._engine is not None and self._engine.last_stats is not None:
+                outcome = dataclasses.replace(outcome, stats=self._engine.last_stats.to_dict())
+            outcomes.post(self._store, self._prefix, "update", update_info.version, outcome)
 
     def _receive(self, update_info: WeightbusUpdateInfo) -> None:
         if self._engine is None:
             raise WeightbusError(f"{self.where()}: init_weight_transfer_engine comes first")
-        loader, own = self._loader, []  # own: this worker's cause (the agreed error is the first rank's)
+        loader = self._loader
+        own = self._own = []  # this worker's cause (the agreed error is the first rank's)
 
         def validate(manifest: Manifest) -> None:
             try:
@@ -222,6 +238,25 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                 _log.warning("weightbus: %s: finalizing the engine: %s", self.where(), e)
 
 
+class _ToLoader:
+    """The engine's shard destinations: the loader of the update under way (its layout
+    recorded at the preflight, its regions written in place)."""
+
+    def __init__(self, owner: WeightbusWeightTransferEngine):
+        self.owner = owner
+
+    def layout(self, manifest: Manifest) -> ShardLayout | None:
+        loader = self.owner._loader
+        return loader.layout(manifest) if loader is not None else None
+
+    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+        try:
+            self.owner._loader.place(name, box, data)  # type: ignore[union-attr]
+        except Exception as e:
+            self.owner._own.append(e)  # (the engine reports the update's agreed error)
+            raise
+
+
 # ------------------------------------------------------------------ trainer side
 
 
@@ -248,6 +283,9 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     #: -1: as ``WEIGHTBUS_VLLM_SELF_CHECK`` says there), L layers each time (0: all)
     self_check_every: int = -1
     self_check_layers: int = 0
+    #: vLLM's workers receive only their shards (None: where a replica has several workers
+    #: and the transport can)
+    sharded: bool | None = None
 
 
 class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
@@ -269,6 +307,10 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         self._store: Any = None
         self._prefix = NAME
         self._interrupted: str | None = None  # an update was interrupted: the group was closed
+        #: rank 0: every vLLM worker's ``UpdateStats`` of the last update, as dicts (``bytes``:
+        #: what it received; ``fallbacks``: tensors it took whole in a sharded update);
+        #: None for a worker that failed
+        self.rollout_stats: list[dict[str, Any] | None] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-vllm-rpc")
 
     @classmethod
@@ -298,7 +340,8 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 "master_address": info.master_address, "master_port": info.master_port,
                 "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
                 "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial,
-                "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers})
+                "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers,
+                "sharded": info.sharded})
         self._prefix = prefix
         rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
                          timeout=info.timeout, prefix=prefix)
@@ -373,10 +416,12 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 raise WeightSyncError(f"vLLM did not answer update_weights within {timeout:.0f}s")
         except Exception as e:  # noqa: BLE001 - vLLM's own error (the engine died, a bad request)
             failure = failure or e
+        seen: list[outcomes.Outcome] = []
         why = outcomes.settle(self._store, self._prefix, version, range(self.info.rollout_world_size),
                               timeout, failure, f"update to version {version}",
                               self.client.finish_weight_update,
-                              getattr(self.client, "mark_torn", lambda ranks: None))
+                              getattr(self.client, "mark_torn", lambda ranks: None), seen)
+        self.rollout_stats = [o.stats for o in seen]
         if why is None:
             return
         if isinstance(failure, Exception) or failure is None:

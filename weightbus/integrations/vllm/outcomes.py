@@ -40,6 +40,8 @@ class Outcome:
     ok: bool = True
     error: str = ""
     kept: bool = True
+    #: the worker engine's ``UpdateStats`` of a successful update, as a dict
+    stats: dict[str, Any] | None = None
 
 
 def key(prefix: str, call: str, version: int, rank: int) -> str:
@@ -117,12 +119,14 @@ def failure_of(outcomes: Iterable[Outcome], what: str) -> str | None:
 
 def settle(store: Any, prefix: str, version: int, ranks: Iterable[int], timeout: float,
            failure: BaseException | None, what: str, finish: Callable[[str | None], None],
-           mark_torn: Callable[[list[int]], None]) -> str | None:
+           mark_torn: Callable[[list[int]], None], seen: list[Outcome] | None = None) -> str | None:
     """The driver's end of an update, once vLLM's call has returned (or failed with
-    ``failure``): every worker's outcome read, vLLM's update closed with ``finish`` (the
-    version only if every worker succeeded), the torn ranks handed to ``mark_torn``.
-    Returns None on success, else one message naming every failure."""
+    ``failure``): every worker's outcome read (appended to ``seen``), vLLM's update closed
+    with ``finish`` (the version only if every worker succeeded), the torn ranks handed
+    to ``mark_torn``. Returns None on success, else one message naming every failure."""
     got = gather(store, prefix, "update", version, ranks, timeout if failure is None else 1.0)
+    if seen is not None:
+        seen.extend(got)
     why = failure_of(got, what)
     ok = why is None and failure is None
     if why is None:
