@@ -12,7 +12,8 @@ and per-bucket metadata never travels (as with :class:`~weightbus.plan.BucketPla
   ranks that hold it: :attr:`Manifest.homes`), so no tensor is gathered on two ranks;
 - for every (sender, receiver) pair the wanted boxes are packed in manifest order into
   buckets of ``bucket_size`` bytes (a box larger than a bucket is cut into smaller boxes
-  along its leading dimensions), each piece at an aligned offset;
+  along its leading dimensions), each piece at an aligned offset; a sender sends to its
+  receivers in turn, bucket by bucket (round-robin), so they all unpack at once;
 - a receiver gets each box it wants exactly once, and nothing else.
 
 A tensor a layout does not name is wanted whole (the rank's fallback: its sink loads whole
@@ -219,15 +220,20 @@ class ShardPlan:
             for i, b in w:
                 wanted[i] += b.numel * metas[i].dtype.itemsize
         self.senders = self._senders(manifest, wanted, n_senders)
+        # the buckets of every (sender, receiver) pair, then all of them in one global
+        # order: round j (a pair's j-th bucket), receiver, sender. A sender takes its
+        # receivers in turn (they unpack at once, not one after another) and a receiver
+        # its senders in turn; both orders agree with the global one: no cycle of waits.
+        pairs = {(r, s): list(_pack([(i, b, metas[i].dtype.itemsize) for i, b in w if self.senders[i] == s],
+                                    capacity))
+                 for r, w in enumerate(wants) for s in range(n_senders)}
+        order = sorted((j, r, s) for (r, s), packed in pairs.items() for j in range(len(packed)))
         buckets: list[ShardBucket] = []
-        turns = [0] * n_senders
-        for r, w in enumerate(wants):
-            seq = 0
-            for s in range(n_senders):
-                for pieces, used in _pack([(i, b, metas[i].dtype.itemsize) for i, b in w
-                                           if self.senders[i] == s], capacity):
-                    buckets.append(ShardBucket(len(buckets), s, r, pieces, used, turns[s], seq))
-                    turns[s], seq = turns[s] + 1, seq + 1
+        turns, seqs = [0] * n_senders, [0] * len(wants)
+        for j, r, s in order:
+            pieces, used = pairs[(r, s)][j]
+            buckets.append(ShardBucket(len(buckets), s, r, pieces, used, turns[s], seqs[r]))
+            turns[s], seqs[r] = turns[s] + 1, seqs[r] + 1
         self.buckets: tuple[ShardBucket, ...] = tuple(buckets)
         self._sent = [[b for b in buckets if b.owner == s] for s in range(n_senders)]
         self._got = [[b for b in buckets if b.receiver == r] for r in range(len(layouts))]

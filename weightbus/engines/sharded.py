@@ -12,9 +12,9 @@ fingerprints; a layout's bytes travel only when it changed), and every rank comp
 the same :class:`~weightbus.shards.ShardPlan`. A sender packs the boxes of the tensors
 the plan gives it (cast into the bucket), stamps each bucket's trailer as the broadcast
 path does, and sends it to its one receiver; a receiver takes its buckets in the plan's
-order. Every sender walks its buckets receiver by receiver and every receiver its
-buckets sender by sender, both orders consistent with one global order of (receiver,
-sender, bucket): no cycle of waits.
+order. Senders take their receivers in turn and receivers their senders, both orders
+consistent with one global order of (round, receiver, sender): no cycle of waits, and
+every receiver unpacks while the others receive.
 
 A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` /
 ``_wait_recv`` given a :class:`~weightbus.shards.ShardBucket` (``owner`` -> ``receiver``).

@@ -164,6 +164,7 @@ class VLLMModelLoader:
                                  f"recorded")
         layerwise_info, materialize, process = internals
         self._touched = True
+        begin = time.perf_counter()
         for sc in self._placement[1].scatters.get(name, ()):
             inner = intersect(sc.box, box)
             if inner is None:
@@ -181,8 +182,11 @@ class VLLMModelLoader:
             sc.view(param)[within(inner, sc.box)].copy_(data[within(inner, box)])
             info.load_numel += inner.numel
             if info.load_numel >= info.load_numel_total:
+                done = time.perf_counter()
                 process(sc.layer, info)
+                self.timing["processing"] += time.perf_counter() - done
         self._placed_bytes += data.numel() * data.element_size()
+        self.timing["placing"] += time.perf_counter() - begin
 
     def release(self, slot: torch.Tensor) -> None:
         """The engine is about to reuse ``slot`` (a bucket): vLLM's layerwise reload holds
@@ -208,7 +212,7 @@ class VLLMModelLoader:
         counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
         self._touched, self._placed_bytes = False, 0
         start = time.perf_counter()
-        self.timing = {"finalize": 0.0, "check": 0.0}
+        self.timing = {"finalize": 0.0, "check": 0.0, "placing": 0.0, "processing": 0.0}
         try:
             first = next(counted, None)  # the header and the preflight come before it
             if not self._active:
@@ -224,12 +228,15 @@ class VLLMModelLoader:
             self._abort()
             raise
         t = self.timing
-        t.update(seconds=time.perf_counter() - start, waiting=counted.waiting)
+        # (the engine places regions and finalizes while the stream is read: inside "waiting")
+        inside = t["placing"] + (t["finalize"] + t["check"] if counted.completed_inside else 0.0)
+        t.update(seconds=time.perf_counter() - start, waiting=counted.waiting - inside)
         _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
-                  "load_weights, %.3f s finalizing, %.3f s self-check", self.where,
-                  (counted.bytes + self._placed_bytes) / 1e6,
-                  t["seconds"], t["waiting"], t["seconds"] - t["waiting"] - t["finalize"] - t["check"],
-                  t["finalize"], t["check"])
+                  "load_weights, %.3f s placing regions (%.3f s of it vLLM processing layers), %.3f s "
+                  "finalizing, %.3f s self-check", self.where, (counted.bytes + self._placed_bytes) / 1e6,
+                  t["seconds"], t["waiting"],
+                  t["seconds"] - t["waiting"] - t["placing"] - t["finalize"] - t["check"],
+                  t["placing"], t["processing"], t["finalize"], t["check"])
         return counted.bytes, counted.tensors
 
     def complete(self) -> None:
@@ -239,6 +246,8 @@ class VLLMModelLoader:
         load."""
         if not self._active:
             return
+        if self._counted is not None:
+            self._counted.completed_inside = self._counted.reading
         begin = time.perf_counter()
         hooks = self._hooks
         self._commit()
@@ -505,15 +514,18 @@ class _Counting:
     def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], own: bool = False):
         self.stream, self.own = stream, own
         self.bytes, self.tensors, self.waiting = 0, 0, 0.0
+        self.reading = self.completed_inside = False  # (complete() called from inside the stream)
 
     def __iter__(self) -> _Counting:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
         start = time.perf_counter()
+        self.reading = True
         try:
             name, t = next(self.stream)
         finally:
+            self.reading = False
             self.waiting += time.perf_counter() - start
         if self.own and t._base is not None:  # a view of a bucket slot
             t = t.clone()
