@@ -71,7 +71,7 @@ def _received(worker) -> tuple[int, int]:
 
 
 def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1,
-        sharded: bool | None = None) -> dict:
+        sharded: bool | None = None, place: bool | None = None) -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -102,7 +102,7 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
     info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=tp, timeout=600,
                                     master_address="127.0.0.1", master_port=free_port(),
                                     self_check_every=self_check, self_check_layers=check_layers,
-                                    sharded=sharded)
+                                    sharded=sharded, place=place)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
         t0 = time.perf_counter()
@@ -145,9 +145,12 @@ if __name__ == "__main__":
     p.add_argument("--tp", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
     p.add_argument("--sharded", choices=["auto", "on", "off"], default="auto",
                    help="sharded receive (auto: where TP > 1)")
+    p.add_argument("--place", choices=["auto", "on", "off"], default="auto",
+                   help="write tensors where vLLM's loaders would, not through them (auto: where sharded)")
     a = p.parse_args()
-    sharded = {"auto": None, "on": True, "off": False}[a.sharded]
-    rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, sharded) for s in a.size or ["tiny"]]
+    choice = {"auto": None, "on": True, "off": False}
+    rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, choice[a.sharded], choice[a.place])
+            for s in a.size or ["tiny"]]
     # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
     # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer);
     # floor s: vLLM's own layerwise reload of the same shapes from memory, best of 3

@@ -101,7 +101,7 @@ class BucketEngine(CheckpointEngine):
         self._layouts: list[ShardLayout | None] | None = None
         self._layout_seen: list[tuple[int | None, ShardLayout | None]] = []
         self._shard_dests: sharded.Destinations | None = None
-        self._shard_plans: dict[tuple[int, int, int], ShardPlan] = {}
+        self._shard_plans: dict[tuple[Any, ...], ShardPlan] = {}
         self._sharded_got: tuple[int, int] | None = None  # (payload bytes, fallbacks) received
         self._stamper = buffers.Stamper()
         self.n_senders = 1

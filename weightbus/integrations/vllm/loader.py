@@ -116,6 +116,7 @@ class VLLMModelLoader:
         restores (on meta), as the kernel-format ones may have lost their loaders."""
         if not self._active:
             self._begin()
+        self._placement = None
         fp = manifest.fingerprint
         key = (fp, _loaders_key(self.model))  # (a loader swapped since: checked and recorded anew)
         if key not in self._verdicts:
@@ -153,7 +154,7 @@ class VLLMModelLoader:
             return None
         return self._placement[1].layout
 
-    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+    def place(self, name: str, box: Box, data: torch.Tensor, *, count: bool = True) -> None:
         """Write region ``box`` of update tensor ``name`` into the parameters vLLM's loaders
         would have written it to, inside the layerwise reload: the layer is materialized
         at its first region, and processed (and copied into its kernel tensors) by vLLM
@@ -185,7 +186,8 @@ class VLLMModelLoader:
                 done = time.perf_counter()
                 process(sc.layer, info)
                 self.timing["processing"] += time.perf_counter() - done
-        self._placed_bytes += data.numel() * data.element_size()
+        if count:  # (regions the engine writes: whole tensors of the stream are counted there)
+            self._placed_bytes += data.numel() * data.element_size()
         self.timing["placing"] += time.perf_counter() - begin
 
     def release(self, slot: torch.Tensor) -> None:
@@ -213,14 +215,15 @@ class VLLMModelLoader:
         self._touched, self._placed_bytes = False, 0
         start = time.perf_counter()
         self.timing = {"finalize": 0.0, "check": 0.0, "placing": 0.0, "processing": 0.0}
+        items = self._loaded(counted)
         try:
-            first = next(counted, None)  # the header and the preflight come before it
+            first = next(items, None)  # the header and the preflight come before it
             if not self._active:
                 self._begin()
             if first is not None:
                 self._touched = True
-                self.model.load_weights(itertools.chain([first], counted))
-            for _ in counted:  # the engine calls complete() before the ranks agree
+                self.model.load_weights(itertools.chain([first], items))
+            for _ in items:  # the engine calls complete() before the ranks agree
                 pass
             if self._active:  # a stream that does not call on_complete
                 self.complete()
@@ -238,6 +241,17 @@ class VLLMModelLoader:
                   t["seconds"] - t["waiting"] - t["placing"] - t["finalize"] - t["check"],
                   t["placing"], t["processing"], t["finalize"], t["check"])
         return counted.bytes, counted.tensors
+
+    def _loaded(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of ``stream`` that go through vLLM's loaders: a whole tensor whose
+        placement is recorded is written in place here instead (its loader only places
+        bytes), the rest are yielded (their loaders transform them)."""
+        for name, t in stream:
+            placement = self._placement
+            if placement is not None and name in placement[1].scatters:
+                self.place(name, Box.whole(t.shape), t, count=False)
+            else:
+                yield name, t
 
     def complete(self) -> None:
         """Every tensor is loaded: finish vLLM's reload (it processes the layers left),

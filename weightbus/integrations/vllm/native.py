@@ -93,6 +93,9 @@ class WeightbusInitInfo(WeightTransferInitInfo):
     #: in place (None: where vLLM runs more than one worker and the transport can; see
     #: :mod:`.placement`)
     sharded: bool | None = None
+    #: write each received tensor where vLLM's loaders would put it (recorded once per
+    #: manifest), calling a loader only where it transforms values (None: where sharded)
+    place: bool | None = None
 
 
 @dataclass
@@ -116,7 +119,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         self._store: Any = None  # the group's rendezvous store: outcomes go there
         self._prefix = NAME
         self._loaders: dict[tuple[int, bool], VLLMModelLoader] = {}
-        self._partial = self._sharded = False
+        self._partial = self._sharded = self._places = False
         self._own: list[Exception] = []  # this worker's own failure in the update under way
         self._self_check: SelfCheck | None = None
         pc = self.parallel_config
@@ -150,6 +153,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             sharded = init_info.sharded if init_info.sharded is not None else \
                 int(self.parallel_config.world_size) > 1
             self._sharded = bool(sharded) and hasattr(engine, "set_shard_destinations")
+            self._places = self._sharded if init_info.place is None else bool(init_info.place)
             if self._sharded:  # (each update's layout comes from the loader's preflight)
                 engine.set_shard_destinations(_ToLoader(self))  # type: ignore[attr-defined]
             connect(engine, rdv, T, R)
@@ -169,7 +173,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             if key not in self._loaders:  # kept per target: it caches its verdict per manifest
                 self._loaders[key] = VLLMModelLoader(self.model, self.model_config,
                                                      partial=self._partial, where=self.where(),
-                                                     self_check=self._self_check, places=self._sharded)
+                                                     self_check=self._self_check,
+                                                     places=self._places or self._sharded)
             self._loader = self._loaders[key]
         except Exception as e:  # noqa: BLE001
             self._start_error = e
@@ -286,6 +291,9 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     #: vLLM's workers receive only their shards (None: where a replica has several workers
     #: and the transport can)
     sharded: bool | None = None
+    #: vLLM's workers write each tensor where its loaders would, calling a loader only where
+    #: it transforms values (None: where sharded)
+    place: bool | None = None
 
 
 class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
@@ -341,7 +349,7 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
                 "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
                 "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial,
                 "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers,
-                "sharded": info.sharded})
+                "sharded": info.sharded, "place": info.place})
         self._prefix = prefix
         rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
                          timeout=info.timeout, prefix=prefix)
