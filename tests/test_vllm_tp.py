@@ -320,3 +320,27 @@ def test_a_swapped_loader_is_recorded_again(tp2, free_port):
     finally:
         llm.collective_rpc(swap_loader, args=(1, o_proj, None))
         tr.close()
+
+
+def test_whole_tensors_placed_without_their_loaders(tp2, free_port):
+    """``sharded=False, place=True``: every worker receives whole tensors and writes only
+    its regions where its loaders would, calling none; it ends holding, bitwise, what
+    vLLM's loaders make of the same weights."""
+    name, path, llm = tp2
+    tr = Trainers(path, free_port, OfflineLLMRollout(llm), world=1, timeout=T, sharded=False, place=True)
+    try:
+        good_update(llm, tr, 101)
+        total = tr.rank0.engine.engine.last_stats.bytes
+        assert llm.collective_rpc(received) == [(total, None), (total, None)]  # whole tensors
+        placed = digests(llm)
+    finally:
+        tr.close()
+    from weightbus.comm import free_port as another_port
+    tr = Trainers(path, another_port(), OfflineLLMRollout(llm), world=1, timeout=T, sharded=False,
+                  place=False)
+    try:
+        tr.each("train_step", 101)  # a fresh trainer, the same step: the same weights
+        tr.update(102)  # through vLLM's loaders
+        assert digests(llm) == placed
+    finally:
+        tr.close()

@@ -270,15 +270,15 @@ class Trainers:
     """Native trainer ranks: rank 0 here (next to vLLM, which it drives), the others in a
     process of their own; every call goes to every rank."""
 
-    def __init__(self, path, port, rollout, world=2, transport="gloo", bucket_size=None, timeout=60):
+    def __init__(self, path, port, rollout, world=2, transport="gloo", bucket_size=None, timeout=60, **info):
         from weightbus.integrations.vllm import RolloutClient
         from weightbus.runtime.group import LocalWorkerGroup
         self.timeout = timeout
         self.rank0 = NativeTrainer(0, world, path, port, rollout.size, transport, bucket_size=bucket_size,
-                                   timeout=timeout)
+                                   timeout=timeout, **info)
         self.others = LocalWorkerGroup(NativeTrainer, world - 1, path, port, rollout.size, transport,
                                        trainer_rank=1, trainer_world=world, bucket_size=bucket_size,
-                                       timeout=timeout, name="trainer1") if world > 1 else None
+                                       timeout=timeout, name="trainer1", **info) if world > 1 else None
         self.client = RolloutClient([rollout], timeout=max(60, 3 * timeout))
         self.each("connect", local_args=(self.client,))
 

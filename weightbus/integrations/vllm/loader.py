@@ -188,7 +188,10 @@ class VLLMModelLoader:
                 self.timing["processing"] += time.perf_counter() - done
         if count:  # (regions the engine writes: whole tensors of the stream are counted there)
             self._placed_bytes += data.numel() * data.element_size()
-        self.timing["placing"] += time.perf_counter() - begin
+        spent = time.perf_counter() - begin
+        self.timing["placing"] += spent
+        if self._counted is not None and self._counted.reading:  # (called by the engine)
+            self.timing["placing inside"] += spent
 
     def release(self, slot: torch.Tensor) -> None:
         """The engine is about to reuse ``slot`` (a bucket): vLLM's layerwise reload holds
@@ -214,7 +217,7 @@ class VLLMModelLoader:
         counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
         self._touched, self._placed_bytes = False, 0
         start = time.perf_counter()
-        self.timing = {"finalize": 0.0, "check": 0.0, "placing": 0.0, "processing": 0.0}
+        self.timing = dict.fromkeys(("finalize", "check", "placing", "placing inside", "processing"), 0.0)
         items = self._loaded(counted)
         try:
             first = next(items, None)  # the header and the preflight come before it
@@ -232,7 +235,7 @@ class VLLMModelLoader:
             raise
         t = self.timing
         # (the engine places regions and finalizes while the stream is read: inside "waiting")
-        inside = t["placing"] + (t["finalize"] + t["check"] if counted.completed_inside else 0.0)
+        inside = t["placing inside"] + (t["finalize"] + t["check"] if counted.completed_inside else 0.0)
         t.update(seconds=time.perf_counter() - start, waiting=counted.waiting - inside)
         _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
                   "load_weights, %.3f s placing regions (%.3f s of it vLLM processing layers), %.3f s "
