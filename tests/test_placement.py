@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbus.integrations.vllm.placement import Recorder, intersect, within
+from weightbus.integrations.vllm.placement import Recorder
 from weightbus.plan import Manifest, TensorMeta
 from weightbus.shards import Box
 
@@ -155,6 +155,8 @@ def test_narrowed_regions_replay_exactly(data):
 
 def test_box_helpers():
     a, b = Box((0, 2), (4, 4)), Box((2, 0), (4, 4))
-    assert intersect(a, b) == Box((2, 2), (2, 2))
-    assert intersect(a, Box((4, 0), (1, 1))) is None
-    assert within(Box((2, 3), (1, 2)), a) == (slice(2, 3), slice(1, 3))
+    assert a.intersect(b) == Box((2, 2), (2, 2))
+    assert a.intersect(Box((4, 0), (1, 1))) is None
+    assert Box((2, 3), (1, 2)).within(a) == (slice(2, 3), slice(1, 3))
+    assert a.overlaps(b) and not a.overlaps(Box((4, 0), (1, 1)))
+    assert Box((2, 3), (1, 2)).inside(a) and not b.inside(a)

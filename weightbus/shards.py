@@ -84,6 +84,28 @@ class Box:
             return [self._along(d, a, min(step, self.size[d] - a)) for a in range(0, self.size[d], step)]
         return [b for a in range(self.size[d]) for b in self._along(d, a, 1).split(max_numel)]
 
+    def overlaps(self, other: Box) -> bool:
+        return all(x < y + m and y < x + n
+                   for x, n, y, m in zip(self.start, self.size, other.start, other.size, strict=True))
+
+    def inside(self, outer: Box) -> bool:
+        return all(y <= x and x + n <= y + m
+                   for x, n, y, m in zip(self.start, self.size, outer.start, outer.size, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The region both boxes hold (None: they hold none in common)."""
+        start = tuple(max(x, y) for x, y in zip(self.start, other.start, strict=True))
+        end = tuple(min(x + n, y + m)
+                    for x, n, y, m in zip(self.start, self.size, other.start, other.size, strict=True))
+        if self.size and any(e <= a for a, e in zip(start, end, strict=True)):
+            return None
+        return Box(start, tuple(e - a for a, e in zip(start, end, strict=True)))
+
+    def within(self, outer: Box) -> tuple[slice, ...]:
+        """This box's slices in the coordinates of ``outer`` (which contains it)."""
+        return tuple(slice(a - o, a - o + n)
+                     for a, n, o in zip(self.start, self.size, outer.start, strict=True))
+
     def _along(self, d: int, offset: int, n: int) -> Box:
         start, size = list(self.start), list(self.size)
         start[d] += offset
@@ -114,7 +136,7 @@ class ShardLayout:
                 b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
             for j, a in enumerate(boxes):
                 for b in boxes[j + 1:]:
-                    if _overlap(a, b):
+                    if a.overlaps(b):
                         raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
                                         f"overlap (each element is received once)")
             out.extend((i, b) for b in boxes if b.numel)
@@ -149,10 +171,6 @@ class ShardLayout:
     @property
     def fingerprint(self) -> int:
         return int.from_bytes(hashlib.blake2b(self.to_bytes(), digest_size=8).digest(), "little") >> 1
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(x < y + m and y < x + n for x, n, y, m in zip(a.start, a.size, b.start, b.size, strict=True))
 
 
 def _pack(items: list[tuple[int, Box, int]], capacity: int) -> Iterator[tuple[tuple[Piece, ...], int]]:

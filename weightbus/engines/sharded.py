@@ -67,9 +67,8 @@ class Placed:
         return self._layout
 
     def place(self, name: str, box: Box, data: torch.Tensor) -> None:
-        outer, dst = next((b, d) for b, d in self.placements[name] if _inside(box, b))
-        dst[tuple(slice(a - o, a - o + n) for a, n, o in
-                  zip(box.start, box.size, outer.start, strict=True))].copy_(data)
+        outer, dst = next((b, d) for b, d in self.placements[name] if box.inside(b))
+        dst[box.within(outer)].copy_(data)
 
 
 def check_placements(placements: Placements, where: str) -> ShardLayout:
@@ -282,6 +281,3 @@ class _Places:
                 done.append((m.name, t))
         return done
 
-
-def _inside(a: Box, b: Box) -> bool:
-    return all(y <= x and x + n <= y + m for x, n, y, m in zip(a.start, a.size, b.start, b.size, strict=True))

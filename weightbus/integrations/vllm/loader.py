@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus.errors import WeightbusError
-from weightbus.integrations.vllm.placement import Placement, Recorder, intersect, within
+from weightbus.integrations.vllm.placement import Placement, Recorder
 from weightbus.integrations.vllm.processing import (
     RebuildHooks,
     SelfCheck,
@@ -167,7 +167,7 @@ class VLLMModelLoader:
         self._touched = True
         begin = time.perf_counter()
         for sc in self._placement[1].scatters.get(name, ()):
-            inner = intersect(sc.box, box)
+            inner = sc.box.intersect(box)
             if inner is None:
                 continue
             info = layerwise_info.get(sc.layer)
@@ -180,7 +180,7 @@ class VLLMModelLoader:
                 for fill in self._placement[1].fills.get(sc.layer, ()):  # (vocab padding zeroed)
                     fill.apply(getattr(sc.layer, fill.param))
                 param = getattr(sc.layer, sc.param)
-            sc.view(param)[within(inner, sc.box)].copy_(data[within(inner, box)])
+            sc.view(param)[inner.within(sc.box)].copy_(data[inner.within(box)])
             info.load_numel += inner.numel
             if info.load_numel >= info.load_numel_total:
                 done = time.perf_counter()

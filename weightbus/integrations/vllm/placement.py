@@ -181,7 +181,7 @@ class Recorder:
                     break
             else:
                 boxes = list(dict.fromkeys(sc.box for sc in scs))
-                if any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+                if any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
                     self.fallback(name, "its loader copies overlapping regions of it")
         scatters = {n: s for n, s in self.scatters.items() if n not in self.fallbacks}
         boxes: dict[str, list[Box]] = {}
@@ -237,24 +237,6 @@ def _ours(writes: _Writes | None) -> Iterator[None]:
         yield
     finally:
         writes.ours = False
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(x < y + m and y < x + n for x, n, y, m in zip(a.start, a.size, b.start, b.size, strict=True))
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    start = tuple(max(x, y) for x, y in zip(a.start, b.start, strict=True))
-    end = tuple(min(x + n, y + m) for x, n, y, m in zip(a.start, a.size, b.start, b.size, strict=True))
-    if any(e <= s for s, e in zip(start, end, strict=True)) and a.size:
-        return None
-    return Box(start, tuple(e - s for s, e in zip(start, end, strict=True)))
-
-
-def within(inner: Box, outer: Box) -> tuple[slice, ...]:
-    """``inner``'s slices in the coordinates of ``outer`` (which contains it)."""
-    return tuple(slice(a - o, a - o + n)
-                 for a, n, o in zip(inner.start, inner.size, outer.start, strict=True))
 
 
 # ------------------------------------------------------------------ the tracked stand-in
