@@ -91,7 +91,8 @@ class VLLMModelLoader:
                  where: str = "vLLM worker", self_check: SelfCheck | None = None, places: bool = False):
         self.model, self.model_config = model, model_config
         self.partial, self.where = partial, where
-        self.places = places and _reload_internals() is not None
+        self._internals = _reload_internals()
+        self.places = places and self._internals is not None
         self._placement: tuple[int, Placement] | None = None  # (manifest fingerprint, placement)
         self._placed_bytes = 0
         self.self_check = self_check if self_check is not None else self_check_from_env()
@@ -159,7 +160,7 @@ class VLLMModelLoader:
         would have written it to, inside the layerwise reload: the layer is materialized
         at its first region, and processed (and copied into its kernel tensors) by vLLM
         once every element of it is in, as a loader call would."""
-        internals = _reload_internals()
+        internals = self._internals
         if self._placement is None or internals is None:
             raise WeightbusError(f"{self.where}: region {box} of {name!r} arrived, but no placement is "
                                  f"recorded")
