@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -40,29 +41,78 @@ SIZES = {  # Qwen2 shapes; 0.5b/1.5b/3b are Qwen2.5's configs (tied embeddings)
 
 def _reload_floor(worker, metas: list) -> float:
     """Runs in the vLLM worker: vLLM's own layerwise reload of in-memory tensors shaped like
-    the update (one source tensor per distinct shape, made before the clock starts), what
-    any transport into vLLM's load_weights costs at least. Leaves the weights garbage."""
+    the update (a tensor of its own per name, as the update delivers: one per distinct
+    shape would read the same few MB from the cache again and again), made before the
+    clock starts, with the processing vLLM's reload skips and an update must not (see
+    .processing): what any transport into vLLM's load_weights costs at least. Leaves the
+    weights garbage."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
-    from weightbus.integrations.vllm.processing import refresh_shared_cpu_kernels
+    from weightbus.integrations.vllm.processing import RebuildHooks, cpu_kernels, refresh_shared_cpu_kernels
     runner = worker.model_runner
-    by_shape = {}
-    for _, shape, dtype in metas:  # shapes arrive as lists
-        if (tuple(shape), dtype) not in by_shape:
-            by_shape[(tuple(shape), dtype)] = torch.randn(shape).to(getattr(torch, dtype))
-    tensors = [(n, by_shape[(tuple(shape), dtype)]) for n, shape, dtype in metas]
+    tensors = [(n, torch.randn(shape).to(getattr(torch, dtype))) for n, shape, dtype in metas]
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
+        kernels = cpu_kernels(runner.model)
         initialize_layerwise_reload(runner.model)
+        hooks = RebuildHooks(runner.model)  # what vLLM's reload skips and must not (the CPU's
+        hooks.install()                     # MoE experts, a tied head): see .processing
         runner.model.load_weights(iter(tensors))
         finalize_layerwise_reload(runner.model, runner.model_config)
-        refresh_shared_cpu_kernels(runner.model)
+        hooks.remove()
+        refresh_shared_cpu_kernels(runner.model, kernels)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _profile(worker, on: bool, top: int = 0) -> str:
+    """Runs in the vLLM worker: cProfile its weight-transfer engine's updates (on), or stop
+    and return the top functions by cumulative time (off)."""
+    import cProfile
+    import io
+    import pstats
+    engine = worker.weight_transfer_engine
+    if on:
+        engine._wb_profile = cProfile.Profile()
+        receive = type(engine).receive_weights
+
+        def profiled(update_info):
+            engine._wb_profile.enable()
+            try:
+                return receive(engine, update_info)
+            finally:
+                engine._wb_profile.disable()
+        engine.receive_weights = profiled
+        return ""
+    out = io.StringIO()
+    pstats.Stats(engine._wb_profile, stream=out).sort_stats("tottime").print_stats(top)
+    del engine.receive_weights
+    return out.getvalue()
+
+
+def _memory(worker, start: bool) -> int:
+    """Runs in the vLLM worker: at the start of an update, reset the process's resident
+    high-water mark; at its end, how far it rose above where it started (bytes): the
+    update's peak extra memory."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    if start:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # (resets VmHWM to the current RSS)
+        worker._wb_rss = status("VmRSS")
+        return 0
+    return status("VmHWM") - worker._wb_rss
+
+
+def _timing(worker) -> dict:
+    """Runs in the vLLM worker: its loader's timing of the last update (see VLLMModelLoader)."""
+    loaders = worker.weight_transfer_engine._engine and worker.weight_transfer_engine._loaders
+    return dict(next(iter(loaders.values())).timing) if loaders else {}
 
 
 def _received(worker) -> tuple[int, int]:
@@ -71,7 +121,8 @@ def _received(worker) -> tuple[int, int]:
 
 
 def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1,
-        sharded: bool | None = None, place: bool | None = None) -> dict:
+        sharded: bool | None = None, place: bool | None = None, transport: str = "gloo",
+        profile: int = 0, pin: bool = False, trainer_dtype: str = "bf16") -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -88,48 +139,77 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
     torch.set_default_dtype(torch.bfloat16)  # made and held in bf16: the largest shape fits
     model = model_cls(cfg)
     torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path)
+    model.save_pretrained(path)  # (vLLM serves bf16)
+    if trainer_dtype == "fp32":  # an fp32 trainer: cast to bf16 on the way
+        model = model.float()
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    if tp > 1:
+    if pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i + 1) for i in range(tp))
+    elif tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     llm = vllm.LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                    max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp,
                    weight_transfer_config={"backend": "weightbus"})
     start = time.perf_counter() - t0
+    if pin:  # the trainer off the workers' cores (vLLM bound them to cores 1..tp)
+        os.sched_setaffinity(0, {0})
+        torch.set_num_threads(1)
     client = RolloutClient([OfflineLLMRollout(llm)])
-    source = HFCheckpointSource(model)  # checkpoint names and layouts, a tied head once
+    source = HFCheckpointSource(model, dtype=torch.bfloat16)  # checkpoint names and layouts, a tied head once
     info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=tp, timeout=600,
                                     master_address="127.0.0.1", master_port=free_port(),
                                     self_check_every=self_check, self_check_layers=check_layers,
-                                    sharded=sharded, place=place)
+                                    sharded=sharded, place=place, transport=transport)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
         t0 = time.perf_counter()
         stats = sync_weights(engine, client, 1)
         first = time.perf_counter() - t0
-        totals, transfers = [], []
+        preflight = max(t.get("preflight", 0.0) for t in llm.collective_rpc(_timing))
+        totals, transfers, peaks = [], [], []
+        if profile:
+            llm.collective_rpc(_profile, args=(True,))
+            import cProfile
+            trainer_profile = cProfile.Profile()
         for v in range(2, updates + 2):
             with torch.no_grad():
                 for p in model.parameters():
                     p.neg_()
+            llm.collective_rpc(_memory, args=(True,))
             t0 = time.perf_counter()
+            if profile:
+                trainer_profile.enable()
             stats = sync_weights(engine, client, v)
+            if profile:
+                trainer_profile.disable()
             totals.append(time.perf_counter() - t0)
             transfers.append(stats.seconds)
+            peaks.append(max(llm.collective_rpc(_memory, args=(False,))))
         assert llm.get_weight_version() == str(updates + 1)
+        if profile:
+            import pstats
+            print("---- the trainer (warm updates)")
+            pstats.Stats(trainer_profile).sort_stats("tottime").print_stats(profile)
+            print("---- vLLM worker 0 (warm updates)")
+            print(llm.collective_rpc(_profile, args=(False, profile))[0])
         metas = [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in source.manifest]
         got = llm.collective_rpc(_received)
+        for p in model.parameters():  # (the trainer's memory: the floor's tensors take it)
+            p.data = torch.empty(0, dtype=p.dtype)
         floor = max(llm.collective_rpc(_reload_floor, args=(metas,)))
         return {"size": size, "tp": tp, "worker_mb": max(b for b, _ in got) / 1e6,
                 "fallbacks": max(f for _, f in got), "tensors": len(source.manifest),
                 "self_check": self_check,
                 "params": params, "bytes": stats.bytes, "engine_start_s": start,
-                "first_update_s": first, "update_s": statistics.median(totals),
+                "first_update_s": first, "preflight_s": preflight, "peak_mb": statistics.median(peaks) / 1e6,
+                "bucket_mb": engine.engine.bucket_size / 1e6, "transport": transport,
+                "trainer_dtype": trainer_dtype, "update_s": statistics.median(totals),
                 "transfer_s": statistics.median(transfers), "floor_s": floor}
     finally:
         engine.shutdown()
         llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -145,25 +225,37 @@ if __name__ == "__main__":
     p.add_argument("--tp", type=int, default=1, help="vLLM's tensor parallelism (default 1)")
     p.add_argument("--sharded", choices=["auto", "on", "off"], default="auto",
                    help="sharded receive (auto: where TP > 1)")
+    p.add_argument("--transport", default="gloo",
+                   help="the weightbus engine between trainer and vLLM (gloo; colocated: shared memory)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile the warm updates in the first vLLM worker; print its top N functions")
+    p.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="the trainer's weights (fp32: cast to vLLM's bf16 on the way)")
+    p.add_argument("--pin", action="store_true",
+                   help="the trainer on core 0, vLLM's workers on cores 1..TP (a trainer elsewhere)")
     p.add_argument("--place", choices=["auto", "on", "off"], default="auto",
                    help="write tensors where vLLM's loaders would, not through them (auto: where sharded)")
     a = p.parse_args()
     choice = {"auto": None, "on": True, "off": False}
-    rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, choice[a.sharded], choice[a.place])
+    rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, choice[a.sharded], choice[a.place],
+                a.transport, a.profile, a.pin, a.trainer_dtype)
             for s in a.size or ["tiny"]]
     # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
     # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer);
     # floor s: vLLM's own layerwise reload of the same shapes from memory, best of 3
     # worker MB: what the busiest vLLM worker's engine received; fallbacks: tensors it took
-    # whole through vLLM's loader in a sharded update
-    print(f"{'size':<6} {'tp':>2} {'tensors':>7} {'check':>5} {'params':>14} {'MB bf16':>8} {'worker MB':>9} "
-          f"{'fallbacks':>9}"
-          f" {'vLLM start s':>12} {'1st update s':>12} "
-          f"{'update s':>9} {'transfer s':>10} {'GB/s':>6} {'floor s':>8} {'ratio':>6}")
+    # through vLLM's loader instead of placing them; 1st: the first update, preflight s its
+    # dry run of vLLM's loaders (and the placement recording) in the slowest worker;
+    # peak MB: the worker's resident memory at its highest during a warm update, above
+    # where the update began (median)
+    print(f"{'size':<6} {'tp':>2} {'trainer':>7} {'transport':>9} {'tensors':>7} {'params':>14} "
+          f"{'MB bf16':>8} "
+          f"{'worker MB':>9} {'fallbacks':>9} {'1st s':>6} {'preflight s':>11} {'update s':>9} "
+          f"{'transfer s':>10} {'floor s':>8} {'ratio':>6} {'peak MB':>8} {'bucket MB':>9}")
     for r in rows:
-        print(f"{r['size']:<6} {r['tp']:>2} {r['tensors']:>7} {r['self_check']:>5} {r['params']:>14,} "
+        print(f"{r['size']:<6} {r['tp']:>2} {r['trainer_dtype']:>7} {r['transport']:>9} {r['tensors']:>7} "
+              f"{r['params']:>14,} "
               f"{r['bytes'] / 1e6:>8.1f} {r['worker_mb']:>9.1f} {r['fallbacks']:>9} "
-              f"{r['engine_start_s']:>12.1f} "
-              f"{r['first_update_s']:>12.2f} {r['update_s']:>9.3f} {r['transfer_s']:>10.3f} "
-              f"{r['bytes'] / r['transfer_s'] / 1e9:>6.2f} {r['floor_s']:>8.3f} "
-              f"{r['update_s'] / r['floor_s']:>5.2f}x")
+              f"{r['first_update_s']:>6.2f} {r['preflight_s']:>11.3f} {r['update_s']:>9.3f} "
+              f"{r['transfer_s']:>10.3f} {r['floor_s']:>8.3f} {r['update_s'] / r['floor_s']:>5.2f}x "
+              f"{r['peak_mb']:>8.0f} {r['bucket_mb']:>9.0f}")

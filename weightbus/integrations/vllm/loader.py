@@ -37,6 +37,7 @@ from weightbus.integrations.vllm.placement import Placement, Recorder
 from weightbus.integrations.vllm.processing import (
     RebuildHooks,
     SelfCheck,
+    cpu_kernels,
     refresh_shared_cpu_kernels,
     self_check_from_env,
 )
@@ -98,6 +99,7 @@ class VLLMModelLoader:
         self.self_check = self_check if self_check is not None else self_check_from_env()
         self._reload = layerwise_reload()
         self._hooks: RebuildHooks | None = None
+        self._kernels: dict[int, Any] = {}
         self._active = self._touched = False
         self._counted: _Counting | None = None
         #: (manifest fingerprint, loaders) -> (rejection reason, where its bytes land)
@@ -121,7 +123,9 @@ class VLLMModelLoader:
         fp = manifest.fingerprint
         key = (fp, _loaders_key(self.model))  # (a loader swapped since: checked and recorded anew)
         if key not in self._verdicts:
+            begin = time.perf_counter()
             self._verdicts[key] = self._check(manifest)
+            self.timing["preflight"] = time.perf_counter() - begin
             while len(self._verdicts) > 8:
                 self._verdicts.pop(next(iter(self._verdicts)))
         reason, placement = self._verdicts[key]
@@ -218,13 +222,14 @@ class VLLMModelLoader:
         counted = self._counted = _Counting(iter(stream), own=own and self._reload is not None)
         self._touched, self._placed_bytes = False, 0
         start = time.perf_counter()
-        self.timing = dict.fromkeys(("finalize", "check", "placing", "placing inside", "processing"), 0.0)
+        self.timing = dict.fromkeys(("preflight", "finalize", "check", "placing", "placing inside",
+                                     "processing"), 0.0)
         items = self._loaded(counted)
         try:
             first = next(items, None)  # the header and the preflight come before it
-            if not self._active:
-                self._begin()
-            if first is not None:
+            if first is not None:  # (None: no tensor left for load_weights, or all placed)
+                if not self._active:  # (a stream without a preflight)
+                    self._begin()
                 self._touched = True
                 self.model.load_weights(itertools.chain([first], items))
             for _ in items:  # the engine calls complete() before the ranks agree
@@ -236,13 +241,14 @@ class VLLMModelLoader:
             raise
         t = self.timing
         # (the engine places regions and finalizes while the stream is read: inside "waiting")
-        inside = t["placing inside"] + (t["finalize"] + t["check"] if counted.completed_inside else 0.0)
+        inside = t["preflight"] + t["placing inside"] + \
+            (t["finalize"] + t["check"] if counted.completed_inside else 0.0)
         t.update(seconds=time.perf_counter() - start, waiting=counted.waiting - inside)
-        _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s waiting for bytes, %.3f s in vLLM's "
-                  "load_weights, %.3f s placing regions (%.3f s of it vLLM processing layers), %.3f s "
-                  "finalizing, %.3f s self-check", self.where, (counted.bytes + self._placed_bytes) / 1e6,
-                  t["seconds"], t["waiting"],
-                  t["seconds"] - t["waiting"] - t["placing"] - t["finalize"] - t["check"],
+        _log.info("weightbus %s: %.1f MB in %.3f s: %.3f s preflight, %.3f s waiting for bytes, %.3f s "
+                  "in vLLM's load_weights, %.3f s placing regions (%.3f s of it vLLM processing layers), "
+                  "%.3f s finalizing, %.3f s self-check", self.where,
+                  (counted.bytes + self._placed_bytes) / 1e6, t["seconds"], t["preflight"], t["waiting"],
+                  t["seconds"] - t["preflight"] - t["waiting"] - t["placing"] - t["finalize"] - t["check"],
                   t["placing"], t["processing"], t["finalize"], t["check"])
         return counted.bytes, counted.tensors
 
@@ -281,6 +287,7 @@ class VLLMModelLoader:
                       self.timing["check"])
 
     def _begin(self) -> None:
+        self._kernels = cpu_kernels(self.model)  # (which ones the update rebuilds: fresh)
         if self._reload:
             self._reload[0](self.model)
             sample = self.self_check.pick(self.model) if self.self_check else set()
@@ -292,10 +299,13 @@ class VLLMModelLoader:
         self._active = False
         try:
             if self._reload:
-                self._reload[1](self.model, self.model_config)
+                # (it warns for every layer that loaded nothing: a tied head, the rotary
+                # embedding; the preflight has checked that the update is whole)
+                with _quiet(_RELOAD_LOGGER):
+                    self._reload[1](self.model, self.model_config)
         finally:
             self._remove_hooks()
-        refresh_shared_cpu_kernels(self.model)
+        refresh_shared_cpu_kernels(self.model, self._kernels)
 
     def _remove_hooks(self) -> None:
         if self._hooks is not None:
@@ -320,7 +330,7 @@ class VLLMModelLoader:
                     self._reload[1](self.model, self.model_config)
             finally:
                 self._remove_hooks()
-        refresh_shared_cpu_kernels(self.model)
+        refresh_shared_cpu_kernels(self.model, self._kernels)
 
 
 # ------------------------------------------------------------------ the dry run

@@ -94,7 +94,8 @@ class WeightbusInitInfo(WeightTransferInitInfo):
     #: :mod:`.placement`)
     sharded: bool | None = None
     #: write each received tensor where vLLM's loaders would put it (recorded once per
-    #: manifest), calling a loader only where it transforms values (None: where sharded)
+    #: manifest), calling a loader only where it transforms values (None: on; False: every
+    #: tensor through vLLM's ``load_weights``, as unsharded updates did before)
     place: bool | None = None
 
 
@@ -153,7 +154,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             sharded = init_info.sharded if init_info.sharded is not None else \
                 int(self.parallel_config.world_size) > 1
             self._sharded = bool(sharded) and hasattr(engine, "set_shard_destinations")
-            self._places = self._sharded if init_info.place is None else bool(init_info.place)
+            self._places = init_info.place is None or bool(init_info.place)
             if self._sharded:  # (each update's layout comes from the loader's preflight)
                 engine.set_shard_destinations(_ToLoader(self))  # type: ignore[attr-defined]
             connect(engine, rdv, T, R)
@@ -292,7 +293,7 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     #: and the transport can)
     sharded: bool | None = None
     #: vLLM's workers write each tensor where its loaders would, calling a loader only where
-    #: it transforms values (None: where sharded)
+    #: it transforms values (None: on)
     place: bool | None = None
 
 

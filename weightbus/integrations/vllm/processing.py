@@ -297,10 +297,22 @@ def _probe(method: Any, layer: torch.nn.Module, fresh: Any, shadow: torch.nn.Mod
     return None
 
 
-def refresh_shared_cpu_kernels(model: Any) -> None:
+def cpu_kernels(model: Any) -> dict[int, Any]:
+    """Each module's CPU GEMM kernel (``cpu_linear``) now, by module identity: what
+    :func:`refresh_shared_cpu_kernels` compares with after an update."""
+    return {id(m): m.cpu_linear for m in model.modules() if hasattr(m, "cpu_linear")}
+
+
+def refresh_shared_cpu_kernels(model: Any, before: dict[int, Any] | None = None) -> None:
     """On the CPU, vLLM packs each linear weight into a GEMM kernel when it loads. A module
     that only shares another's weight (a tied ``lm_head``) loads nothing itself, so a
-    reload leaves its kernel packed from the old weights: pack it again."""
+    reload leaves its kernel packed from the old weights. Give it the kernel its twin got
+    in this update (``before``: :func:`cpu_kernels` at the start; a kernel is fresh where it
+    changed since), or pack one anew where no twin's is fresh; the twins then share it.
+
+    A kernel closes over the packed weight only (the weight and bias are the call's
+    arguments), so twins share one when their weight is the same view and neither has a
+    bias; any other module is packed on its own."""
     try:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     except ImportError:
@@ -308,11 +320,26 @@ def refresh_shared_cpu_kernels(model: Any) -> None:
     by_storage: dict[int, list[Any]] = {}
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel():
+        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel() \
+                and hasattr(m, "cpu_linear"):
             by_storage.setdefault(w.data_ptr(), []).append(m)
     for mods in by_storage.values():
-        if len(mods) > 1:
-            for m in mods:
-                if hasattr(m, "cpu_linear"):
-                    dispatch_cpu_unquantized_gemm(m, remove_weight=False)
+        if len(mods) < 2:
+            continue
+        fresh = [m for m in mods if before is not None and m.cpu_linear is not before.get(id(m))]
+        for m in mods:
+            if m in fresh:
+                continue
+            twin = next((f for f in fresh if _same_view(f, m)), None)
+            if twin is None:
+                dispatch_cpu_unquantized_gemm(m, remove_weight=False)
+                fresh.append(m)
+            else:
+                m.cpu_linear = twin.cpu_linear
 
+
+def _same_view(a: Any, b: Any) -> bool:
+    def view(w: torch.Tensor) -> tuple[Any, ...]:
+        return w.data_ptr(), w.shape, w.stride(), w.dtype
+    return view(a.weight) == view(b.weight) and getattr(a, "bias", None) is None \
+        and getattr(b, "bias", None) is None
