@@ -122,7 +122,8 @@ def _received(worker) -> tuple[int, int]:
 
 def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1,
         sharded: bool | None = None, place: bool | None = None, transport: str = "gloo",
-        profile: int = 0, pin: bool = False, trainer_dtype: str = "bf16") -> dict:
+        profile: int = 0, pin: bool = False, trainer_dtype: str = "bf16",
+        num_buffers: int | None = None) -> dict:
     import vllm
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -160,7 +161,8 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
     info = WeightbusTrainerInitInfo(rank=0, world_size=1, rollout_world_size=tp, timeout=600,
                                     master_address="127.0.0.1", master_port=free_port(),
                                     self_check_every=self_check, self_check_layers=check_layers,
-                                    sharded=sharded, place=place, transport=transport)
+                                    sharded=sharded, place=place, transport=transport,
+                                    num_buffers=num_buffers)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
         t0 = time.perf_counter()
@@ -203,7 +205,8 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
                 "self_check": self_check,
                 "params": params, "bytes": stats.bytes, "engine_start_s": start,
                 "first_update_s": first, "preflight_s": preflight, "peak_mb": statistics.median(peaks) / 1e6,
-                "bucket_mb": engine.engine.bucket_size / 1e6, "transport": transport,
+                "bucket_mb": engine.engine.bucket_size / 1e6,
+                "slots": engine.engine.num_buffers, "transport": transport,
                 "trainer_dtype": trainer_dtype, "update_s": statistics.median(totals),
                 "transfer_s": statistics.median(transfers), "floor_s": floor}
     finally:
@@ -231,6 +234,8 @@ if __name__ == "__main__":
                    help="cProfile the warm updates in the first vLLM worker; print its top N functions")
     p.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="the trainer's weights (fp32: cast to vLLM's bf16 on the way)")
+    p.add_argument("--num-buffers", type=int, default=None,
+                   help="bucket slots on each side (default: the engine's)")
     p.add_argument("--pin", action="store_true",
                    help="the trainer on core 0, vLLM's workers on cores 1..TP (a trainer elsewhere)")
     p.add_argument("--place", choices=["auto", "on", "off"], default="auto",
@@ -238,7 +243,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     choice = {"auto": None, "on": True, "off": False}
     rows = [run(s, a.updates, a.self_check, a.self_check_layers, a.tp, choice[a.sharded], choice[a.place],
-                a.transport, a.profile, a.pin, a.trainer_dtype)
+                a.transport, a.profile, a.pin, a.trainer_dtype, a.num_buffers)
             for s in a.size or ["tiny"]]
     # update s: pause -> send (vLLM receiving and loading concurrently) -> finish -> resume;
     # transfer s: weightbus's send on the trainer (vLLM's loading included: it is the consumer);
@@ -251,11 +256,11 @@ if __name__ == "__main__":
     print(f"{'size':<6} {'tp':>2} {'trainer':>7} {'transport':>9} {'tensors':>7} {'params':>14} "
           f"{'MB bf16':>8} "
           f"{'worker MB':>9} {'fallbacks':>9} {'1st s':>6} {'preflight s':>11} {'update s':>9} "
-          f"{'transfer s':>10} {'floor s':>8} {'ratio':>6} {'peak MB':>8} {'bucket MB':>9}")
+          f"{'transfer s':>10} {'floor s':>8} {'ratio':>6} {'peak MB':>8} {'bucket MB':>9} {'slots':>5}")
     for r in rows:
         print(f"{r['size']:<6} {r['tp']:>2} {r['trainer_dtype']:>7} {r['transport']:>9} {r['tensors']:>7} "
               f"{r['params']:>14,} "
               f"{r['bytes'] / 1e6:>8.1f} {r['worker_mb']:>9.1f} {r['fallbacks']:>9} "
               f"{r['first_update_s']:>6.2f} {r['preflight_s']:>11.3f} {r['update_s']:>9.3f} "
               f"{r['transfer_s']:>10.3f} {r['floor_s']:>8.3f} {r['update_s'] / r['floor_s']:>5.2f}x "
-              f"{r['peak_mb']:>8.0f} {r['bucket_mb']:>9.0f}")
+              f"{r['peak_mb']:>8.0f} {r['bucket_mb']:>9.0f} {r['slots']:>5}")

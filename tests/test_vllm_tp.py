@@ -344,3 +344,22 @@ def test_whole_tensors_placed_without_their_loaders(tp2, free_port):
         assert digests(llm) == placed
     finally:
         tr.close()
+
+
+def test_who_receives_sharded_by_default():
+    """Sharded where a replica has several workers, or where one TP=1 worker is the only
+    receiver (its regions placed as they arrive); several TP=1 replicas keep the broadcast
+    (a sharded plan is a copy per receiver); ``place=False`` at TP=1 and an explicit
+    ``sharded`` win."""
+    from weightbus.integrations.vllm.native import WeightbusInitInfo, sharded_by_default
+
+    def info(**kw):
+        return WeightbusInitInfo(master_address="127.0.0.1", master_port=1, **kw)
+
+    assert sharded_by_default(info(rollout_world_size=4), workers=2)
+    assert sharded_by_default(info(rollout_world_size=2, place=False), workers=2)
+    assert sharded_by_default(info(rollout_world_size=1), workers=1)
+    assert not sharded_by_default(info(rollout_world_size=3), workers=1)
+    assert not sharded_by_default(info(rollout_world_size=1, place=False), workers=1)
+    assert not sharded_by_default(info(rollout_world_size=4, sharded=False), workers=2)
+    assert sharded_by_default(info(rollout_world_size=3, sharded=True), workers=1)

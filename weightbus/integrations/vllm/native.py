@@ -90,8 +90,10 @@ class WeightbusInitInfo(WeightTransferInitInfo):
     self_check_every: int = -1
     self_check_layers: int = 0
     #: sharded receive: each worker receives only the regions its loaders keep, written
-    #: in place (None: where vLLM runs more than one worker and the transport can; see
-    #: :mod:`.placement`)
+    #: in place as they arrive (None: where the transport can and vLLM runs more than one
+    #: worker, or one worker is the only receiver, unless ``place`` is False; see
+    #: :mod:`.placement`). A lone TP=1 worker's shard is the whole model, but then a
+    #: tensor larger than a bucket is never staged whole
     sharded: bool | None = None
     #: write each received tensor where vLLM's loaders would put it (recorded once per
     #: manifest), calling a loader only where it transforms values (None: on; False: every
@@ -151,9 +153,8 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                 engine = CheckpointEngineRegistry.new(init_info.transport, role="rollout", **kwargs)
             except Exception as e:  # noqa: BLE001
                 rdv.fail(f"{self.where()}: {e}")  # raises here too
-            sharded = init_info.sharded if init_info.sharded is not None else \
-                int(self.parallel_config.world_size) > 1
-            self._sharded = bool(sharded) and hasattr(engine, "set_shard_destinations")
+            self._sharded = sharded_by_default(init_info, int(self.parallel_config.world_size)) \
+                and hasattr(engine, "set_shard_destinations")
             self._places = init_info.place is None or bool(init_info.place)
             if self._sharded:  # (each update's layout comes from the loader's preflight)
                 engine.set_shard_destinations(_ToLoader(self))  # type: ignore[attr-defined]
@@ -244,6 +245,18 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                 _log.warning("weightbus: %s: finalizing the engine: %s", self.where(), e)
 
 
+def sharded_by_default(info: WeightbusInitInfo, workers: int) -> bool:
+    """Whether a worker of a replica of ``workers`` workers receives sharded (where its
+    transport can): as ``info.sharded`` says, else where the replica has several workers,
+    or where one worker is the group's only receiver and placing is not turned off (its
+    shard is the whole model, but a tensor split over buckets is placed piece by piece,
+    never staged whole). Several TP=1 replicas keep the broadcast: a sharded plan is point
+    to point, a copy per receiver."""
+    if info.sharded is not None:
+        return bool(info.sharded)
+    return workers > 1 or (info.rollout_world_size == 1 and info.place is not False)
+
+
 class _ToLoader:
     """The engine's shard destinations: the loader of the update under way (its layout
     recorded at the preflight, its regions written in place)."""
@@ -283,14 +296,17 @@ class WeightbusTrainerInitInfo(TrainerInitInfo):
     rollout_world_size: int = 1
     transport: str = "gloo"
     bucket_size: int | None = None
+    #: bucket slots on each side (None: the engine's default); more let the trainer run
+    #: ahead while vLLM processes a layer
+    num_buffers: int | None = None
     timeout: float = BUILTIN_TIMEOUT
     partial: bool = False
     #: vLLM's workers compare sampled layers with a fresh load every N-th update (0: off,
     #: -1: as ``WEIGHTBUS_VLLM_SELF_CHECK`` says there), L layers each time (0: all)
     self_check_every: int = -1
     self_check_layers: int = 0
-    #: vLLM's workers receive only their shards (None: where a replica has several workers
-    #: and the transport can)
+    #: vLLM's workers receive only their shards, placed as they arrive (None: where the
+    #: transport can and a replica has several workers, or a lone worker receives)
     sharded: bool | None = None
     #: vLLM's workers write each tensor where its loaders would, calling a loader only where
     #: it transforms values (None: on)
@@ -309,6 +325,8 @@ class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInf
         kwargs: dict[str, Any] = {"timeout": init_info.timeout}
         if init_info.bucket_size is not None:
             kwargs["bucket_size"] = init_info.bucket_size
+        if init_info.num_buffers is not None:
+            kwargs["num_buffers"] = init_info.num_buffers
         self.engine_kwargs = kwargs
         self.engine = CheckpointEngineRegistry.new(init_info.transport, role="trainer", **kwargs)
         self.version = 0
