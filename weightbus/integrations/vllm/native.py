@@ -155,7 +155,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
                 rdv.fail(f"{self.where()}: {e}")  # raises here too
             self._sharded = sharded_by_default(init_info, int(self.parallel_config.world_size)) \
                 and hasattr(engine, "set_shard_destinations")
-            self._places = init_info.place is None or bool(init_info.place)
+            self._places = init_info.place is not False
             if self._sharded:  # (each update's layout comes from the loader's preflight)
                 engine.set_shard_destinations(_ToLoader(self))  # type: ignore[attr-defined]
             connect(engine, rdv, T, R)

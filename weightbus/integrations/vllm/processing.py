@@ -317,17 +317,17 @@ def refresh_shared_cpu_kernels(model: Any, before: dict[int, Any] | None = None)
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     except ImportError:
         return
-    by_storage: dict[int, list[Any]] = {}
-    for m in model.modules():
+    by_storage: dict[int, list[Any]] = {}  # (with or without a kernel: the one that loaded
+    for m in model.modules():               # the weight may have none of its own)
         w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel() \
-                and hasattr(m, "cpu_linear"):
+        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 2 and w.numel():
             by_storage.setdefault(w.data_ptr(), []).append(m)
     for mods in by_storage.values():
         if len(mods) < 2:
             continue
-        fresh = [m for m in mods if before is not None and m.cpu_linear is not before.get(id(m))]
-        for m in mods:
+        kernels = [m for m in mods if hasattr(m, "cpu_linear")]
+        fresh = [m for m in kernels if before is not None and m.cpu_linear is not before.get(id(m))]
+        for m in kernels:
             if m in fresh:
                 continue
             twin = next((f for f in fresh if _same_view(f, m)), None)
