@@ -13,6 +13,7 @@ worker's engine received and how many tensors fell back to vLLM's loader.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -53,7 +54,7 @@ def _reload_floor(worker, metas: list) -> float:
 
     from weightbus.integrations.vllm.processing import RebuildHooks, cpu_kernels, refresh_shared_cpu_kernels
     runner = worker.model_runner
-    tensors = [(n, torch.randn(shape).to(getattr(torch, dtype))) for n, shape, dtype in metas]
+    tensors = [(n, torch.empty(shape, dtype=getattr(torch, dtype)).normal_()) for n, shape, dtype in metas]
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -102,6 +103,11 @@ def _memory(worker, start: bool) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
     if start:
+        import ctypes
+        # free memory the allocator keeps (the floor's reload and the updates before left
+        # some) goes back first: the update must not look free because it reuses it (the
+        # timed updates run without this, as a serving worker would)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # (resets VmHWM to the current RSS)
         worker._wb_rss = status("VmRSS")
@@ -141,9 +147,11 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
     model = model_cls(cfg)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(path)  # (vLLM serves bf16)
-    if trainer_dtype == "fp32":  # an fp32 trainer: cast to bf16 on the way
-        model = model.float()
     params = sum(p.numel() for p in model.parameters())
+    metas = [(m.name, m.shape, str(m.dtype).removeprefix("torch."))
+             for m in HFCheckpointSource(model, dtype=torch.bfloat16).manifest]
+    del model  # (the floor's tensors take the trainer's memory: the 3B shape fits only so)
+    gc.collect()
     t0 = time.perf_counter()
     if pin:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i + 1) for i in range(tp))
@@ -153,6 +161,10 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
                    max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp,
                    weight_transfer_config={"backend": "weightbus"})
     start = time.perf_counter() - t0
+    floor = max(llm.collective_rpc(_reload_floor, args=(metas,)))  # before any update
+    model = model_cls.from_pretrained(path, dtype=torch.bfloat16)
+    if trainer_dtype == "fp32":  # an fp32 trainer: cast to bf16 on the way
+        model = model.float()
     if pin:  # the trainer off the workers' cores (vLLM bound them to cores 1..tp)
         os.sched_setaffinity(0, {0})
         torch.set_num_threads(1)
@@ -174,37 +186,37 @@ def run(size: str, updates: int, self_check: int, check_layers: int, tp: int = 1
             llm.collective_rpc(_profile, args=(True,))
             import cProfile
             trainer_profile = cProfile.Profile()
-        for v in range(2, updates + 2):
+        for v in range(2, updates + 3):  # (the last, untimed, measures the peak memory)
             with torch.no_grad():
                 for p in model.parameters():
                     p.neg_()
-            llm.collective_rpc(_memory, args=(True,))
+            timed = v < updates + 2
+            if not timed:
+                llm.collective_rpc(_memory, args=(True,))
             t0 = time.perf_counter()
-            if profile:
+            if profile and timed:
                 trainer_profile.enable()
             stats = sync_weights(engine, client, v)
-            if profile:
+            if profile and timed:
                 trainer_profile.disable()
-            totals.append(time.perf_counter() - t0)
-            transfers.append(stats.seconds)
-            peaks.append(max(llm.collective_rpc(_memory, args=(False,))))
-        assert llm.get_weight_version() == str(updates + 1)
+            if timed:
+                totals.append(time.perf_counter() - t0)
+                transfers.append(stats.seconds)
+            else:
+                peaks.append(max(llm.collective_rpc(_memory, args=(False,))))
+        assert llm.get_weight_version() == str(updates + 2)
         if profile:
             import pstats
             print("---- the trainer (warm updates)")
             pstats.Stats(trainer_profile).sort_stats("tottime").print_stats(profile)
             print("---- vLLM worker 0 (warm updates)")
             print(llm.collective_rpc(_profile, args=(False, profile))[0])
-        metas = [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in source.manifest]
         got = llm.collective_rpc(_received)
-        for p in model.parameters():  # (the trainer's memory: the floor's tensors take it)
-            p.data = torch.empty(0, dtype=p.dtype)
-        floor = max(llm.collective_rpc(_reload_floor, args=(metas,)))
         return {"size": size, "tp": tp, "worker_mb": max(b for b, _ in got) / 1e6,
                 "fallbacks": max(f for _, f in got), "tensors": len(source.manifest),
                 "self_check": self_check,
                 "params": params, "bytes": stats.bytes, "engine_start_s": start,
-                "first_update_s": first, "preflight_s": preflight, "peak_mb": statistics.median(peaks) / 1e6,
+                "first_update_s": first, "preflight_s": preflight, "peak_mb": max(peaks) / 1e6,
                 "bucket_mb": engine.engine.bucket_size / 1e6,
                 "slots": engine.engine.num_buffers, "transport": transport,
                 "trainer_dtype": trainer_dtype, "update_s": statistics.median(totals),
@@ -251,8 +263,8 @@ if __name__ == "__main__":
     # worker MB: what the busiest vLLM worker's engine received; fallbacks: tensors it took
     # through vLLM's loader instead of placing them; 1st: the first update, preflight s its
     # dry run of vLLM's loaders (and the placement recording) in the slowest worker;
-    # peak MB: the worker's resident memory at its highest during a warm update, above
-    # where the update began (median)
+    # peak MB: the worker's resident memory at its highest during one more warm update
+    # (untimed), above where it began once the allocator gave its free memory back
     print(f"{'size':<6} {'tp':>2} {'trainer':>7} {'transport':>9} {'tensors':>7} {'params':>14} "
           f"{'MB bf16':>8} "
           f"{'worker MB':>9} {'fallbacks':>9} {'1st s':>6} {'preflight s':>11} {'update s':>9} "
