@@ -1,0 +1,172 @@
+"""fp8 on the wire: a bf16 (or fp32) trainer updates an fp8 rollout with half the bytes,
+bitwise as the quantizer makes them (tests/test_vllm_quant.py holds the quantizer to
+vLLM's own, bit for bit)."""
+
+import pytest
+import torch
+import workers_quant
+
+from weightbus import ModuleSource
+from weightbus.errors import PlanError
+from weightbus.quant import FP8, Fp8Format, QuantizedSource, module_formats
+from weightbus.runtime.local import spawn
+
+
+@pytest.mark.parametrize("backend,T,R,dtype", [("gloo", 1, 2, "bfloat16"), ("gloo", 2, 1, "float32"),
+                                               ("colocated", 1, 1, "bfloat16")])
+def test_fp8_updates_bitwise_half_the_bytes(port, backend, T, R, dtype):
+    logs = spawn(workers_quant.fp8_updates, T + R, (backend, T, R, port, dtype), timeout=240)
+    previous = None
+    for k in range(3):
+        expected = logs[0][k]["expected"]
+        assert all(t[k]["expected"] == expected for t in logs[:T])
+        for r in logs[T:]:
+            assert r[k]["got"] == expected, f"update {k + 1}"
+            assert r[k]["version"] == k + 1
+        assert expected != previous  # the weights (and the fp8 payloads) really changed
+        previous = expected
+        # the served weights travel in half their bf16 bytes, plus their scales
+        assert logs[0][k]["bf16_bytes"] / 2 < logs[0][k]["fp8_bytes"] < 0.51 * logs[0][k]["bf16_bytes"]
+
+
+@pytest.mark.parametrize("kind", ["block", "channel", "tensor"])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 136), (1, 5), (129, 1)])
+def test_quantize_is_close_and_deterministic(kind, shape):
+    torch.manual_seed(1)
+    x = torch.randn(shape).bfloat16() * 3
+    x[0] = 0  # a zero row: a zero payload, a finite scale
+    fmt = Fp8Format(kind)
+    q, scale = fmt.quantize(x)
+    assert q.dtype == FP8 and tuple(q.shape) == shape and tuple(scale.shape) == fmt.scale_shape(shape)
+    assert torch.isfinite(scale).all() and (q[0].float() == 0).all()
+    back = fmt.dequantize(q, scale)
+    # e4m3 keeps 3 mantissa bits: within 1/16 of each value plus half a step near zero
+    tol = x.float().abs() / 16 + fmt.dequantize(torch.ones_like(q), scale) / 2 ** 7
+    assert ((back - x.float()).abs() <= tol).all()
+    q2, scale2 = fmt.quantize(x.clone())
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, scale2)
+
+
+def test_slabs_give_the_bits_of_one_pass(monkeypatch):
+    import weightbus.quant as quant
+    x = torch.randn(1000, 520).bfloat16()
+    whole = [Fp8Format(k).quantize(x) for k in ("block", "channel", "tensor")]
+    monkeypatch.setattr(quant, "_SLAB", 1)  # a slab of one block row (one row) at a time
+    for (q, s), k in zip(whole, ("block", "channel", "tensor"), strict=True):
+        q2, s2 = Fp8Format(k).quantize(x)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2), k
+
+
+def test_formats_read_off_the_rollout_model():
+    state = workers_quant.rollout_state(workers_quant.SERVED)
+    assert module_formats(state) == workers_quant.SERVED
+    state["odd.weight"] = torch.zeros(300, 200, dtype=FP8)
+    state["odd.weight_scale_inv"] = torch.zeros(5, 4)  # blocks of 64 rows x 64 columns
+    assert module_formats(state)["odd.weight"] == Fp8Format("block", (64, 64))
+    state["bad.weight"] = torch.zeros(10, 10, dtype=FP8)
+    state["bad.weight_scale_inv"] = torch.zeros(11, 1)
+    with pytest.raises(PlanError, match="'bad.weight'.*no block size"):
+        module_formats(state)
+
+
+def test_bad_declarations_fail_where_given():
+    model = workers_quant.Trainer(torch.bfloat16)
+    source = ModuleSource(model, dtype=torch.bfloat16)
+    with pytest.raises(PlanError, match="not in the source.*'nope.weight'"):
+        QuantizedSource(source, {"nope.weight": Fp8Format()})
+    with pytest.raises(PlanError, match="'up.bias'.*2-D"):
+        QuantizedSource(source, {"up.bias": Fp8Format("channel")})
+    with pytest.raises(PlanError, match="not an Fp8Format"):
+        QuantizedSource(source, {"q.weight": "fp8"})
+    with pytest.raises(ValueError, match="kind"):
+        Fp8Format("mxfp8")  # type: ignore[arg-type]
+
+
+def test_nan_or_inf_weights_are_refused_by_name():
+    model = workers_quant.Trainer(torch.bfloat16)
+    with torch.no_grad():
+        model.q.weight[200, 7] = float("nan")
+    source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED)
+    with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):
+        list(source)
+    with torch.no_grad():
+        model.q.weight[200, 7] = 0
+        model.up.weight[3, 3] = float("inf")
+    with pytest.raises(PlanError, match=r"'up.weight' holds NaN or inf \(the channel scale at \[3, 0\]"):
+        list(source)
+
+
+def test_manifest_puts_each_scale_after_its_weight():
+    source = QuantizedSource(ModuleSource(workers_quant.Trainer(torch.bfloat16), dtype=torch.bfloat16),
+                             workers_quant.SERVED)
+    names = [(m.name, m.dtype, m.shape) for m in source.manifest]
+    assert names == [("embed.weight", torch.bfloat16, (300, 136)),
+                     ("q.weight", FP8, (264, 136)), ("q.weight_scale_inv", torch.float32, (3, 2)),
+                     ("up.weight", FP8, (40, 136)), ("up.weight_scale", torch.float32, (40, 1)),
+                     ("up.bias", torch.bfloat16, (40,)),
+                     ("down.weight", FP8, (136, 40)), ("down.weight_scale", torch.float32, ())]
+    assert [n for n, _ in source] == [n for n, _, _ in names]
+
+
+def _kernel_ready() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+gpu = pytest.mark.skipif(not _kernel_ready(), reason="the fp8 kernel needs a CUDA GPU and Triton")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_kernel_gives_the_plain_path_bits(dtype):
+    from weightbus.quant import quantize_many
+    torch.manual_seed(3)
+    shapes = [(256, 384), (300, 136), (1, 5), (129, 1), (768, 2048), (2048, 768), (151, 4097)]
+    xs = [(torch.randn(s, device="cuda") * torch.logspace(-4, 3, s[1], device="cuda")).to(dtype)
+          for s in shapes]
+    xs[0][:128, :128] = 0  # an all-zero block
+    xs[1][7] = 1e-30  # subnormal in fp8 after scaling, next to normal values
+    fmt = Fp8Format("block")
+    got = quantize_many([(fmt, x) for x in xs], cache={})
+    for x, (q, s) in zip(xs, got, strict=True):
+        rq, rs = fmt.quantize(x)  # the plain path (held to vLLM's bits in test_vllm_quant.py)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs), x.shape
+
+
+@gpu
+def test_gpu_source_groups_bitwise_and_names_a_nan():
+    model = workers_quant.Trainer(torch.bfloat16).cuda()
+    for group in (1 << 30, 0):
+        source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED,
+                                 group_bytes=group)
+        for step in (1, 2):  # the second update reuses the first's launch, with new weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * step)
+            got = dict(source)
+            for name, fmt in workers_quant.SERVED.items():
+                q, s = fmt.quantize(model.state_dict()[name])
+                assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(got[fmt.scale_name(name)], s)
+    with torch.no_grad():
+        model.q.weight[200, 7] = float("inf")
+    with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):
+        list(source)
+
+
+def test_fp8_deltas_bitwise_fewer_bytes(port):
+    from benchmarks.quant_delta import fp8_deltas
+    shapes = [("model.embed_tokens.weight", (300, 136)), ("q.weight", (264, 136)),
+              ("down.weight", (640, 384)), ("norm.weight", (136,))]
+    sent, got = spawn(fp8_deltas, 2, (port, shapes, 3, 0.02), timeout=240)
+    assert [g["version"] for g in got] == [1, 2, 3, 4]
+    for k, (s, g) in enumerate(zip(sent, got, strict=True)):
+        assert s["expected"] == g["got"], f"update {k + 1}"  # every tensor, bitwise
+        if k:
+            assert s["delta"] is True and s["wire"] < 0.5 * s["dense"]
+            # one bf16 step moves few fp8 values, but most blocks hold one that moved
+            assert 0 < s["fp8_elements"] < 0.02 and s["fp8_blocks"] > 0.5
+    assert len({s["expected"]["q.weight"] for s in sent}) == 4  # the payloads really changed

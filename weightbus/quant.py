@@ -1,0 +1,350 @@
+"""Serving precision on the wire: a trainer's bf16/fp32 weights quantized, on the trainer,
+into the fp8 format the rollout engine serves, so half the bytes travel and the rollout
+holds exactly what its own quantizer would have made of the same weights.
+
+A :class:`Fp8Format` is one of the layouts vLLM serves fp8 weights in:
+
+- ``block``: e4m3 with one float32 scale per 128x128 block (Qwen3-FP8, DeepSeek-V3
+  checkpoints), the scale under ``<prefix>weight_scale_inv``;
+- ``tensor``: one scale for the whole weight, under ``<prefix>weight_scale``;
+- ``channel``: one scale per output row, shape ``[rows, 1]``, under ``<prefix>weight_scale``.
+
+The values are bitwise those of vLLM's own quantizers (``per_block_cast_to_fp8`` for
+blocks, ``QuantFP8``'s native path for tensors and rows): the same float32 operations in
+the same order, run a slab of rows at a time so the float32 temporaries stay small. The
+tests call vLLM's functions as the reference.
+
+The rollout declares its formats (:func:`module_formats` reads them off a model that holds
+fp8 weights and their scales); the trainer wraps its source in :class:`QuantizedSource`,
+which yields each declared weight as its fp8 payload followed by its scale, under the
+rollout's names. Tensors without a declared format travel as before.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from weightbus.errors import PlanError
+from weightbus.plan import Manifest, TensorMeta
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+#: vLLM's floor for a dynamic scale (``input_quant_fp8._FP8_MIN_SCALING_FACTOR``)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: float32 bytes a quantizer works on at once (a slab of rows)
+_SLAB = 64 << 20
+
+Kind = Literal["block", "tensor", "channel"]
+_SHAPE = operator.attrgetter("shape")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How one weight is served in fp8: ``kind`` and, for blocks, the block shape."""
+
+    kind: Kind = "block"
+    block: tuple[int, int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("block", "tensor", "channel"):
+            raise ValueError(f"Fp8Format.kind must be 'block', 'tensor' or 'channel', got {self.kind!r}")
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"Fp8Format.block must be two positive sizes, got {self.block!r}")
+
+    def scale_name(self, name: str) -> str:
+        """The scale's name for weight ``name`` (``...weight`` -> ``...weight_scale_inv`` for
+        blocks, ``...weight_scale`` otherwise), as fp8 checkpoints name them."""
+        return name + ("_scale_inv" if self.kind == "block" else "_scale")
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        rows, cols = _matrix(shape)
+        if self.kind == "block":
+            return (-(-rows // self.block[0]), -(-cols // self.block[1]))
+        return () if self.kind == "tensor" else (rows, 1)
+
+    def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Raises :class:`PlanError` unless a ``dtype`` tensor of ``shape`` can take this
+        format (a floating-point matrix)."""
+        if not dtype.is_floating_point or dtype.itemsize == 1:
+            raise PlanError(f"{name!r} is {dtype}: only a bf16/fp16/fp32 weight quantizes to fp8")
+        if len(shape) != 2:
+            raise PlanError(f"{name!r} has shape {tuple(shape)}: fp8 {self.kind} weights are 2-D matrices")
+
+    def quantize(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 payload, float32 scale)`` of ``t``, bitwise as vLLM's quantizer for this
+        kind; written into ``out``/``scale`` where given."""
+        self.check("tensor", tuple(t.shape), t.dtype)
+        out = torch.empty(t.shape, dtype=FP8, device=t.device) if out is None else out
+        scale = torch.empty(self.scale_shape(tuple(t.shape)), dtype=torch.float32, device=t.device) \
+            if scale is None else scale
+        if self.kind == "block":
+            _quantize_blocks(t, self.block, out, scale)
+        elif self.kind == "channel":
+            _quantize_rows(t, out, scale)
+        else:
+            _quantize_tensor(t, out, scale)
+        return out, scale
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """float32 values of a payload (for checks and tests)."""
+        x = q.float()
+        if self.kind == "block":
+            bm, bn = self.block
+            s = scale.repeat_interleave(bm, 0)[: x.shape[0]].repeat_interleave(bn, 1)[:, : x.shape[1]]
+            return x * s
+        return x * scale
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise PlanError(f"fp8 weights are 2-D matrices, got shape {tuple(shape)}")
+    return shape[0], shape[1]
+
+
+def _slab_rows(cols: int, multiple: int = 1) -> int:
+    rows = max(1, _SLAB // (4 * max(cols, 1)))
+    return max(multiple, rows // multiple * multiple)
+
+
+def _quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor,
+                     scale: torch.Tensor) -> None:
+    # vLLM's per_block_cast_to_fp8 (utils/deep_gemm.py): zero-padded to whole blocks,
+    # amax in float32 clamped at 1e-4, sf = amax / 448, values * (1.0 / sf) cast to e4m3.
+    # Slabs of whole block rows give the same bits; only a ragged edge is padded.
+    m, n = x.shape
+    bm, bn = block
+    nb = -(-n // bn)
+    step = _slab_rows(nb * bn, bm)
+    for r0 in range(0, m, step):
+        rows = x[r0:r0 + step]
+        r = rows.shape[0]
+        rp = -(-r // bm) * bm
+        if rp != r or nb * bn != n:
+            padded = torch.zeros((rp, nb * bn), dtype=x.dtype, device=x.device)
+            padded[:r, :n] = rows
+        else:
+            padded = rows
+        view = padded.view(rp // bm, bm, nb, bn)
+        amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+        sf = amax / FP8_MAX
+        q = (view * (1.0 / sf)).to(FP8)
+        scale[r0 // bm:r0 // bm + rp // bm].copy_(sf.view(rp // bm, nb))
+        out[r0:r0 + r].copy_(q.view(rp, nb * bn)[:r, :n])
+
+
+def _quantize_rows(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
+    # vLLM's QuantFP8 (dynamic, per token/row), native path: amax of each row to float32,
+    # scale = (amax / 448) clamped below, values * scale.reciprocal() clamped to +-448.
+    step = _slab_rows(x.shape[1])
+    for r0 in range(0, x.shape[0], step):
+        rows = x[r0:r0 + step]
+        s = (rows.abs().amax(dim=-1).unsqueeze(-1).to(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale[r0:r0 + rows.shape[0]].copy_(s)
+        out[r0:r0 + rows.shape[0]].copy_((rows.to(torch.float32) * s.reciprocal()).clamp(-FP8_MAX, FP8_MAX))
+
+
+def _quantize_tensor(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
+    # vLLM's QuantFP8 (dynamic, per tensor), native path: one amax for the whole weight.
+    s = (x.abs().max().unsqueeze(-1).to(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale.copy_(s.view(scale.shape))
+    inv = s.reciprocal()
+    step = _slab_rows(x.shape[1])
+    for r0 in range(0, x.shape[0], step):
+        rows = x[r0:r0 + step]
+        out[r0:r0 + rows.shape[0]].copy_((rows.to(torch.float32) * inv).clamp(-FP8_MAX, FP8_MAX))
+
+
+def _kernel_fits(fmt: Fp8Format, t: torch.Tensor) -> bool:
+    return fmt.kind == "block" and t.is_cuda and t.is_contiguous() and \
+        t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_many(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`Fp8Format.quantize` of each ``(format, tensor)``, the same bits. Block-format
+    CUDA tensors go through one Triton kernel launch per block size and dtype, the rest
+    through the plain path a tensor at a time. With ``cache`` (a dict the caller keeps),
+    a list of the same tensors as a previous call reuses that call's set-up and output
+    buffers (so the last call's outputs are overwritten)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for k, (fmt, t) in enumerate(items):
+        if _kernel_fits(fmt, t):
+            groups.setdefault((fmt.block, t.dtype, t.device), []).append(k)
+        else:
+            out[k] = fmt.quantize(t)
+    for (block, _, _), ks in groups.items():
+        launch = _launch([items[k] for k in ks], block, cache)
+        launch.run()
+        for k, q, sc in zip(ks, launch.outs, launch.scales, strict=True):
+            out[k] = (q, sc)
+    return out  # type: ignore[return-value]
+
+
+def _launch(items: list[tuple[Fp8Format, torch.Tensor]], block: tuple[int, int], cache: dict | None) -> Any:
+    from weightbus import quant_triton  # (Triton imported on first use: slow to import)
+    srcs = [t for _, t in items]
+    key = (block, tuple(map(torch.Tensor.data_ptr, srcs)), tuple(map(_SHAPE, srcs)))
+    launch = cache.get(key) if cache is not None else None
+    if launch is None:
+        launch = quant_triton.BlockLaunch(srcs, [f.scale_shape(tuple(t.shape)) for f, t in items],
+                                          block, FP8_MAX)
+        if cache is not None:
+            if len(cache) >= 64:  # (other tensors every time: start over)
+                cache.clear()
+            cache[key] = launch
+    return launch
+
+
+def module_formats(module: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, Fp8Format]:
+    """The fp8 formats a rollout model serves, read off the model: every fp8 ``...weight``
+    whose scale sits beside it (``weight_scale_inv`` of block shape: ``block``; a scalar
+    ``weight_scale``: ``tensor``; a ``[rows, 1]`` one: ``channel``). A block's size is
+    the one its scale's shape implies (128 where that fits: the usual size)."""
+    named = dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module)
+    formats: dict[str, Fp8Format] = {}
+    for name, t in named.items():
+        if t.dtype != FP8 or t.dim() != 2:
+            continue
+        rows, cols = t.shape
+        inv, plain = named.get(name + "_scale_inv"), named.get(name + "_scale")
+        if inv is not None and inv.dim() == 2:
+            bm = _block_size(rows, inv.shape[0])
+            bn = _block_size(cols, inv.shape[1])
+            if bm is None or bn is None:
+                raise PlanError(f"{name!r} ({rows}x{cols}) has a {tuple(inv.shape)} block scale: "
+                                f"no block size fits it")
+            formats[name] = Fp8Format("block", (bm, bn))
+        elif plain is not None and plain.numel() == 1:
+            formats[name] = Fp8Format("tensor")
+        elif plain is not None and tuple(plain.shape) == (rows, 1):
+            formats[name] = Fp8Format("channel")
+    return formats
+
+
+def _block_size(extent: int, blocks: int) -> int | None:
+    # (the sizes in use are powers of two, 128 above all: those nearest 128 first)
+    powers = sorted((1 << i for i in range(16)), key=lambda s: abs(s.bit_length() - 8))
+    for size in (*powers, *range(1, extent + 1)):
+        if -(-extent // size) == blocks:
+            return size
+    return None
+
+
+class QuantizedSource:
+    """A trainer's source with the weights the rollout serves in fp8 quantized on the way:
+    each declared ``...weight`` becomes its fp8 payload and, right after it, its float32
+    scale (see :class:`Fp8Format`); every other tensor passes as it is. Quantized on the
+    tensor's own device (the trainer's GPU, or its CPU), one tensor at a time: the extra
+    memory is one weight's payload and a slab of float32 rows.
+
+    ``formats`` maps rollout-side weight names to formats, as :func:`module_formats` reads
+    them off the rollout model; a name the source does not have is a :class:`PlanError`
+    here, not at the first update.
+
+    On a GPU, block-format weights are quantized ``group_bytes`` of them at a time, in one
+    kernel launch (:func:`quantize_many`): the source's tensors are held until their
+    group is full, so a source that reuses one buffer for several tensors needs
+    ``group_bytes=0`` (a launch per tensor). The payloads are kept for the next update,
+    whose launches reuse them where the source yields the same tensors."""
+
+    def __init__(self, source: Any, formats: Mapping[str, Fp8Format], *, group_bytes: int = 1 << 30):
+        metas = list(source.manifest)
+        known = {m.name: m for m in metas}
+        missing = sorted(set(formats) - set(known))
+        if missing:
+            raise PlanError(f"QuantizedSource: {len(missing)} declared fp8 weight(s) are not in the "
+                            f"source, e.g. {missing[:3]}")
+        for name, fmt in formats.items():
+            if not isinstance(fmt, Fp8Format):
+                raise PlanError(f"QuantizedSource: the format of {name!r} is a {type(fmt).__name__}, "
+                                f"not an Fp8Format")
+            fmt.check(name, known[name].shape, known[name].dtype)
+        if group_bytes < 0:
+            raise PlanError(f"QuantizedSource: group_bytes must be >= 0, got {group_bytes}")
+        self.source, self.formats, self.group_bytes = source, dict(formats), group_bytes
+        self._launches: dict = {}  # (CUDA: the kernel's set-up and outputs, per group of tensors)
+        inner = source.manifest
+        out: list[TensorMeta] = []
+        self._outer: list[int] = []  # inner tensor i -> its position here (a scale follows it)
+        for m in metas:
+            self._outer.append(len(out))
+            fmt = self.formats.get(m.name)
+            if fmt is None:
+                out.append(m)
+                continue
+            out.append(TensorMeta(m.name, FP8, m.shape))
+            out.append(TensorMeta(fmt.scale_name(m.name), torch.float32, fmt.scale_shape(m.shape)))
+        self._scaled = [m.name in self.formats for m in metas]
+        twice = [1 + k for k in self._scaled]  # (a scale shares its weight's home)
+        homes = None if inner.homes is None else \
+            [h for h, k in zip(inner.homes, twice, strict=True) for _ in range(k)]
+        units = None if inner.units is None else \
+            [u for u, k in zip(inner.units, twice, strict=True) for _ in range(k)]
+        self.manifest = Manifest(out, homes, units)
+
+    def _quantized(self, named: Iterator[tuple[str, torch.Tensor | None]]
+                   ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        # CUDA weights are quantized a group at a time (one launch for up to group_bytes
+        # of them; the tensors between them wait with them, in order); host weights one
+        # at a time, as they come
+        pending: list[tuple[str, torch.Tensor | None]] = []
+        todo: list[tuple[Fp8Format, torch.Tensor]] = []
+        held = 0
+        for name, t in named:
+            fmt = self.formats.get(name)
+            if fmt is not None and t is not None and _kernel_fits(fmt, t):
+                todo.append((fmt, t.detach()))
+                held += t.numel() * t.element_size()
+            pending.append((name, t))
+            if not todo or held >= self.group_bytes:
+                yield from self._flush(pending, todo)
+                pending, todo, held = [], [], 0
+        yield from self._flush(pending, todo)
+
+    def _flush(self, pending: list[tuple[str, torch.Tensor | None]],
+               todo: list[tuple[Fp8Format, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        grouped = quantize_many(todo, self._launches) if todo else []
+        # a NaN or inf anywhere shows in its block's scale: a group's scales are checked at
+        # once (one sync), and tensor by tensor only to name the culprit
+        scales = [s.view(-1) for _, s in grouped]
+        suspect = bool(scales) and not bool(torch.isfinite(torch.cat(scales)).all())
+        done = iter(grouped)
+        for name, t in pending:
+            fmt = self.formats.get(name)
+            if fmt is None:
+                yield name, t
+            elif t is None:  # (a rank that does not pack it)
+                yield name, None
+                yield fmt.scale_name(name), None
+            else:
+                kernel = _kernel_fits(fmt, t)
+                q, scale = next(done) if kernel else fmt.quantize(t.detach())
+                if (suspect or not kernel) and not bool(torch.isfinite(scale).all()):
+                    bad = (~torch.isfinite(scale)).nonzero()[0].tolist()
+                    raise PlanError(f"{name!r} holds NaN or inf (the {fmt.kind} scale at {bad} is "
+                                    f"{scale[tuple(bad)].item()}): not quantized to fp8")
+                yield name, q
+                yield fmt.scale_name(name), scale
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._quantized(iter(self.source))  # type: ignore[return-value]
+
+    def iter_for(self, owners: Any, rank: int, into: Any = None
+                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """As the wrapped source's ``iter_for`` (a rank that packs none of a tensor may
+        skip making it); the engine copies what is yielded (no direct mode)."""
+        inner = getattr(self.source, "iter_for", None)
+        if inner is None:
+            return iter(self)
+        outer, scaled = self._outer, self._scaled
+
+        def packers(i: int) -> frozenset[int]:  # (the weight's and its scale's buckets)
+            return owners(outer[i]) | owners(outer[i] + 1) if scaled[i] else owners(outer[i])
+        return self._quantized(inner(packers, rank))
