@@ -170,3 +170,52 @@ class AttachDies(Rollout):
 
     def wb_attach(self, *args, **kwargs):
         os._exit(9)
+
+
+class Fp8Rollout(Rollout):
+    """A rollout that serves its linear weights in fp8 (128x128 blocks, as Qwen3-FP8), the
+    rest in bf16: the manager reads that off its sink and the trainers quantize."""
+
+    def __init__(self, rank, world, kind="block"):
+        super().__init__(rank, world)
+        import torch
+
+        from weightbus.quant import FP8, Fp8Format
+        self.state = {}
+        for name, t in self.model.state_dict().items():
+            if t.dim() == 2 and "emb" not in name:
+                fmt = Fp8Format(kind)
+                self.state[name] = torch.zeros(t.shape, dtype=FP8)
+                self.state[fmt.scale_name(name)] = torch.zeros(fmt.scale_shape(tuple(t.shape)))
+            else:
+                self.state[name] = t
+
+    def weights_sink(self):
+        return ModuleSink(self.state)
+
+    def weights_digest(self):
+        from weightbus.demo import digest
+        return {n: digest(t) for n, t in self.state.items()}
+
+
+class Fp8Trainer(Trainer):
+    def served_digest(self, kinds):
+        """What an fp8 rollout must hold (every rank must call: FSDP2 gathers)."""
+        import torch
+
+        from weightbus.demo import digest
+        from weightbus.quant import Fp8Format
+        out = {}
+        for n, t in self.model.state_dict().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            kind = kinds.get(n)
+            if kind is None:
+                out[n] = digest(full.to(torch.bfloat16) if full.is_floating_point() else full)
+                continue
+            fmt = Fp8Format(kind)
+            q, s = fmt.quantize(full.to(torch.bfloat16))
+            out[n], out[fmt.scale_name(n)] = digest(q), digest(s)
+        return out
+
+    def bf16_bytes(self):
+        return sum(t.numel() * 2 for t in self.model.state_dict().values())

@@ -419,3 +419,44 @@ def test_delta_updates_through_the_manager_local():
         mgr.shutdown()
         for g in groups:
             g.shutdown(timeout=2)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "colocated"])
+def test_fp8_rollouts_declared_and_quantized_local(backend):
+    """Replicas that serve fp8 say so (read off their sinks); the FSDP2 trainers quantize
+    on the way: every update bitwise as the quantizer makes it, in half the bytes of the
+    linear weights. A replica serving other formats fails the update that would add it,
+    naming it, and the others go on."""
+    from mgr_workers import Fp8Rollout, Fp8Trainer
+
+    T = 2 if backend == "gloo" else 1
+    trainer = LocalWorkerGroup(Fp8Trainer, T, free_port(), name="trainer")
+    r0 = LocalWorkerGroup(Fp8Rollout, 1, name="r0")
+    groups = [trainer, r0]
+    mgr = CheckpointEngineManager(backend, trainer, [r0], timeout=20, bucket_size=1 << 16)
+    try:
+        held = call(r0, "weights_digest", timeout=10)[0]
+        kinds = {n: "block" for n in held if n + "_scale_inv" in held}
+        assert kinds
+        previous = None
+        for version in (1, 2):
+            call(trainer, "train_step", version, timeout=20)
+            rep = mgr.update_weights(version=version)
+            want = call(trainer, "served_digest", kinds, timeout=20)[0]
+            assert call(r0, "weights_digest", timeout=10) == [want] and want != previous
+            previous = want
+        plain = LocalWorkerGroup(Rollout, 1, name="plain")  # serves bf16: not the same weights
+        groups.append(plain)
+        mgr.add_replicas([plain])
+        with pytest.raises(UpdateFailed, match="replica 'plain' serves 0 weight.*first difference"):
+            mgr.update_weights(version=3)
+        mgr.remove_replicas([plain])
+        call(trainer, "train_step", 3, timeout=20)
+        rep = mgr.update_weights(version=3)
+        want = call(trainer, "served_digest", kinds, timeout=20)[0]
+        assert call(r0, "weights_digest", timeout=10) == [want]
+        assert rep.bytes < 0.7 * call(trainer, "bf16_bytes", timeout=20)[0]
+    finally:
+        mgr.shutdown()
+        for g in groups:
+            g.shutdown(timeout=2)

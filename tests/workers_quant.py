@@ -77,7 +77,7 @@ def fp8_updates(rank: int, backend: str, T: int, R: int, port: int, trainer_dtyp
                 if fmt is None:
                     expected[name] = digest(t.to(torch.bfloat16))
                 else:
-                    q, scale = fmt.quantize(t)
+                    q, scale = fmt.quantize(t.to(torch.bfloat16))  # (the source's dtype policy first)
                     expected[name], expected[fmt.scale_name(name)] = digest(q), digest(scale)
             served = sum(t.numel() * 2 for n, t in model.state_dict().items() if n in declared)
             as_is = sum(t.numel() * 2 for n, t in model.state_dict().items() if n not in declared)

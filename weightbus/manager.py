@@ -98,6 +98,8 @@ class CheckpointEngineManager:
         self.registry = registry
         self._registered: set[str] = set()  # names of the replicas that came from the registry
         self._chains: dict[str, tuple[int, int]] = {}  # joined from a peer (delta mode): its chain
+        #: what the replicas serve in fp8 (weightbus.quant), as the trainers were told it
+        self._formats: dict[str, Any] | None = None
         self.add_replicas(replicas)
 
     # --- membership ---------------------------------------------------------------------
@@ -366,11 +368,38 @@ class CheckpointEngineManager:
                     None if trainer else f"replica-{id(g):x}")
         self._wait([(g, g.submit("wb_setup", [setup(g)] * g.size)) for g in fresh],
                    f"setting up engines for version {version}", self.timeout)
+        self._agree_formats(fresh, version)
         self._setup.update(id(g) for g in fresh)
         adopt = [(g, self._chains.pop(g.name)) for g in fresh if g.name in self._chains]
         if adopt:  # joined from a peer in delta mode: it may take the next delta like the peer
             self._wait([(g, g.submit("wb_adopt", [chain] * g.size)) for g, chain in adopt],
                        f"setting up engines for version {version}", self.timeout)
+
+    def _agree_formats(self, fresh: list[WorkerGroup], version: int) -> None:
+        """Every replica must serve the same weights in fp8 (``wb_formats``: read off each
+        rank's model); the trainers are told, and quantize those on the way. A replica
+        that differs fails this update, naming it (it is asked again at the next)."""
+        if not any(id(r) in self._setup for r in self.replicas):
+            self._formats = None  # (no replica is left from before: the new ones decide)
+        told = self._formats
+        new = [g for g in fresh if g is not self.trainer]
+        said = self._wait([(g, g.submit("wb_formats")) for g in new],
+                          f"asking the replicas what they serve in fp8 for version {version}", self.timeout)
+        for g, ranks in zip(new, said, strict=True):
+            for formats in ranks:
+                if self._formats is None:
+                    self._formats = dict(formats)
+                elif formats != self._formats:
+                    theirs, ours = set(formats), set(self._formats)
+                    diff = sorted((theirs ^ ours) or {n for n in theirs if formats[n] != self._formats[n]})
+                    raise WeightSyncError(f"replica {g.name!r} serves {len(formats)} weight(s) in fp8, the "
+                                          f"others {len(self._formats)} (first difference: {diff[0]!r}): "
+                                          f"every replica must serve the same weights in the same formats")
+        if self._formats is not None and (self._formats != told or any(g is self.trainer for g in fresh)):
+            T = self.trainer.size
+            self._wait([(self.trainer, self.trainer.submit("wb_set_formats", [(self._formats,)] * T))],
+                       f"telling the trainer what the replicas serve in fp8 for version {version}",
+                       self.timeout)
 
     def _link(self, version: int) -> list[str] | None:
         """Elastic engines: drop the links of replicas that left or failed, link the new

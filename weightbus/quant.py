@@ -240,9 +240,11 @@ def _block_size(extent: int, blocks: int) -> int | None:
 class QuantizedSource:
     """A trainer's source with the weights the rollout serves in fp8 quantized on the way:
     each declared ``...weight`` becomes its fp8 payload and, right after it, its float32
-    scale (see :class:`Fp8Format`); every other tensor passes as it is. Quantized on the
-    tensor's own device (the trainer's GPU, or its CPU), one tensor at a time: the extra
-    memory is one weight's payload and a slab of float32 rows.
+    scale (see :class:`Fp8Format`); every other tensor passes as it is. A weight is taken
+    in the wrapped source's wire dtype (its dtype policy: an fp32 trainer's weights are cast
+    to bf16 first, as the rollout would have received them) and quantized on the
+    tensor's own device: on a CPU one tensor at a time (the extra memory is one weight's
+    payload and a slab of float32 rows).
 
     ``formats`` maps rollout-side weight names to formats, as :func:`module_formats` reads
     them off the rollout model; a name the source does not have is a :class:`PlanError`
@@ -252,9 +254,11 @@ class QuantizedSource:
     kernel launch (:func:`quantize_many`): the source's tensors are held until their
     group is full, so a source that reuses one buffer for several tensors needs
     ``group_bytes=0`` (a launch per tensor). The payloads are kept for the next update,
-    whose launches reuse them where the source yields the same tensors."""
+    whose launches reuse them where the source yields the same tensors (``launches``: the
+    dict of an earlier wrapper's ``launches``, to keep them across wrappers)."""
 
-    def __init__(self, source: Any, formats: Mapping[str, Fp8Format], *, group_bytes: int = 1 << 30):
+    def __init__(self, source: Any, formats: Mapping[str, Fp8Format], *, group_bytes: int = 1 << 30,
+                 launches: dict | None = None):
         metas = list(source.manifest)
         known = {m.name: m for m in metas}
         missing = sorted(set(formats) - set(known))
@@ -269,7 +273,9 @@ class QuantizedSource:
         if group_bytes < 0:
             raise PlanError(f"QuantizedSource: group_bytes must be >= 0, got {group_bytes}")
         self.source, self.formats, self.group_bytes = source, dict(formats), group_bytes
-        self._launches: dict = {}  # (CUDA: the kernel's set-up and outputs, per group of tensors)
+        #: (CUDA) the kernel's set-up and outputs per group of tensors: a dict shared by
+        #: the wrappers of one trainer's successive sources keeps them across updates
+        self.launches: dict = {} if launches is None else launches
         inner = source.manifest
         out: list[TensorMeta] = []
         self._outer: list[int] = []  # inner tensor i -> its position here (a scale follows it)
@@ -281,6 +287,7 @@ class QuantizedSource:
                 continue
             out.append(TensorMeta(m.name, FP8, m.shape))
             out.append(TensorMeta(fmt.scale_name(m.name), torch.float32, fmt.scale_shape(m.shape)))
+        self._wire = {m.name: m.dtype for m in metas if m.name in self.formats}
         self._scaled = [m.name in self.formats for m in metas]
         twice = [1 + k for k in self._scaled]  # (a scale shares its weight's home)
         homes = None if inner.homes is None else \
@@ -299,6 +306,10 @@ class QuantizedSource:
         held = 0
         for name, t in named:
             fmt = self.formats.get(name)
+            if fmt is not None and t is not None and t.dtype != self._wire[name]:
+                # (the source's dtype policy first: a rollout quantizes what it would have
+                # received, an fp32 trainer's weights cast to bf16)
+                t = t.detach().to(self._wire[name])
             if fmt is not None and t is not None and _kernel_fits(fmt, t):
                 todo.append((fmt, t.detach()))
                 held += t.numel() * t.element_size()
@@ -310,7 +321,7 @@ class QuantizedSource:
 
     def _flush(self, pending: list[tuple[str, torch.Tensor | None]],
                todo: list[tuple[Fp8Format, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        grouped = quantize_many(todo, self._launches) if todo else []
+        grouped = quantize_many(todo, self.launches) if todo else []
         # a NaN or inf anywhere shows in its block's scale: a group's scales are checked at
         # once (one sync), and tensor by tensor only to name the culprit
         scales = [s.view(-1) for _, s in grouped]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
-from weightbus.errors import ReplicasFailed, WeightbusError
+from weightbus.errors import ConfigError, ReplicasFailed, WeightbusError
+from weightbus.quant import Fp8Format, QuantizedSource, module_formats
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
@@ -91,6 +93,20 @@ class EngineHost:
     def wb_version(self) -> int | None:
         return self.weights_version
 
+    # serving precision (``weightbus.quant``): the rollouts say, the trainers quantize
+    _wb_formats: dict[str, Any] = {}
+    _wb_quantized: tuple[Any, Any] | None = None  # (the last source, its quantized wrapper)
+
+    def wb_formats(self) -> dict[str, Any]:
+        """The weights this rollout rank serves in fp8, by update name (name ->
+        ``Fp8Format``). None here (a vLLM worker: its CPU build serves none);
+        :class:`WeightbusWorker` reads them off its sink."""
+        return {}
+
+    def wb_set_formats(self, formats: dict[str, Any]) -> None:
+        """A trainer rank: quantize these weights on the way from now on."""
+        self._wb_formats, self._wb_quantized = dict(formats), None
+
     def wb_teardown(self) -> None:
         if self._wb_engine is not None:
             self._wb_engine.finalize(destroy_group=True)
@@ -106,6 +122,20 @@ class WeightbusWorker(EngineHost):
 
     def weights_sink(self) -> ModuleSink:
         raise NotImplementedError(f"{type(self).__name__} is a rollout: define weights_sink()")
+
+    def weights_formats(self) -> Mapping[str, Fp8Format]:
+        """A rollout: the weights it serves in fp8, by update name. By default read off
+        its sink's tensors (:func:`weightbus.quant.module_formats`: an fp8 ``...weight``
+        with its scale beside it); a sink with a ``name_map`` must say them here."""
+        sink = self.weights_sink()
+        formats = module_formats(sink.targets)
+        if formats and sink.name_map is not None:
+            raise ConfigError(f"{type(self).__name__}: the sink maps names and holds fp8 weights "
+                              f"({next(iter(formats))!r}...): define weights_formats() by update name")
+        return formats
+
+    def wb_formats(self) -> dict[str, Any]:
+        return dict(self.weights_formats())
 
     # --- hooks a rollout may override --------------------------------------------------------
     def pause_generation(self, mode: str = "abort") -> None:
@@ -125,7 +155,7 @@ class WeightbusWorker(EngineHost):
     async def wb_send(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"
         try:
-            source: Any = self.weights_source()
+            source: Any = self._quantized(self.weights_source())
         except Exception as e:  # noqa: BLE001 - every rank hears it at the header, at once
             source = _Unavailable(e)
         failed: dict[str, str] = {}
@@ -136,6 +166,17 @@ class WeightbusWorker(EngineHost):
         self.weights_version = version
         return {"seconds": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors, "failed": failed,
                 "wire_bytes": stats.wire_bytes, "full": getattr(self._wb_engine, "last_full", None)}
+
+    def _quantized(self, source: Any) -> Any:
+        """``source`` with the weights the rollouts serve in fp8 quantized on the way (the
+        same wrapper while the source is the same object: its GPU launches are kept)."""
+        if not self._wb_formats:
+            return source
+        last = self._wb_quantized
+        if last is None or last[0] is not source:
+            cache = last[1].launches if last is not None else None
+            last = self._wb_quantized = (source, QuantizedSource(source, self._wb_formats, launches=cache))
+        return last[1]
 
     async def wb_receive(self, version: int) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"

@@ -419,6 +419,8 @@ class VLLMEngineReplica(_ReplicaBase):
             return self._submit(method, lambda: self._receive(int(args[0][0])))  # type: ignore[index]
         if method == "wb_version":
             return self._submit(method, self._version)
+        if method == "wb_formats":  # (what it serves in fp8: vLLM's CPU build serves none)
+            return self._submit(method, dict)
         if method == "pause_generation":
             mode = self.mode or (kwargs[0].get("mode") if kwargs else None) or "keep"
             return self._submit(method, lambda: r.pause(mode))
