@@ -109,10 +109,6 @@ class BlockLaunch:
                                      INV_MAX=self.inv_max, ALIGN=align, SUB=self.sub,
                                      num_warps=self.num_warps)
 
-    def finite(self) -> bool:
-        """Whether every scale is finite (one check, one sync, for the whole group)."""
-        return bool(torch.isfinite(self.scale_flat).all())
-
 
 def _blocks(ids: list[int], counts: list[int], device: torch.device
             ) -> tuple[int, torch.Tensor, torch.Tensor]:
