@@ -8,7 +8,9 @@ in bf16. The floor is one bulk cast of all their bytes, bf16 -> e4m3 (one kernel
 same bytes read and written); the row prints our time (``quantize_many``, as
 ``QuantizedSource`` runs it at every update: on a GPU, block formats in one Triton launch),
 the floor's, the ratio, the bandwidth both reach (bf16 read + fp8 written + scales), and
-the plain path's time (torch ops a tensor at a time: what runs on a CPU).
+the plain path's time (torch ops a tensor at a time: what runs on a CPU), and the time to
+iterate ``QuantizedSource`` over a module's weights (what an update runs: its 1 GiB
+groups, the NaN check, the yields) next to iterating the bare source.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import time
 import torch
 
 from weightbus import presets
-from weightbus.quant import FP8, Fp8Format, quantize_many
+from weightbus.quant import FP8, Fp8Format, QuantizedSource, quantize_many
+from weightbus.sources import ModuleSource
 
 
 def served(name: str, shape: tuple[int, ...]) -> bool:
@@ -64,9 +67,17 @@ def run(preset: str, layers: int | None, kind: str, device: torch.device, iters:
     floor = timed(lambda: cast.copy_(flat))
     ours_s = timed(lambda: quantize_many(items, cache))
     plain_s = timed(plain) if plain_too else float("nan")
+    # what runs at an update: QuantizedSource over a module's weights, iterated to the end
+    # (its groups, the NaN check, the yields), against iterating the bare source
+    named = {n: w for (n, _), w in zip(shapes, weights, strict=True)}
+    bare = ModuleSource(named, dtype=torch.bfloat16)
+    wrapped = QuantizedSource(bare, {n: fmt for n in named})
+    bare_s = timed(lambda: sum(1 for _ in bare))
+    source_s = timed(lambda: sum(1 for _ in wrapped))
     moved = flat.numel() * 3 + sum(s.numel() * 4 for s in scales)
     return {"preset": preset, "layers": layers, "kind": kind, "tensors": len(shapes),
-            "gb_bf16": flat.numel() * 2 / 1e9, "ours_s": ours_s, "plain_s": plain_s, "floor_s": floor,
+            "gb_bf16": flat.numel() * 2 / 1e9, "ours_s": ours_s, "plain_s": plain_s,
+            "source_s": source_s, "bare_s": bare_s, "floor_s": floor,
             "ours_gbps": moved / ours_s / 1e9, "floor_gbps": moved / floor / 1e9}
 
 
@@ -82,14 +93,15 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}")
     print(f"{'preset':<14} {'layers':>6} {'kind':<7} {'tensors':>7} {'GB bf16':>8} {'ours ms':>9} "
-          f"{'floor ms':>9} {'ratio':>7} {'ours GB/s':>10} {'floor GB/s':>10} {'plain ms':>9}")
+          f"{'floor ms':>9} {'ratio':>7} {'ours GB/s':>10} {'floor GB/s':>10} {'plain ms':>9} "
+          f"{'source ms':>9} {'bare ms':>8}")
     for preset in a.preset or ["30b-a3b"]:
         for kind in a.kind or ["block"]:
             r = run(preset, a.layers, kind, device, a.iters)
             print(f"{r['preset']:<14} {str(r['layers'] or 'all'):>6} {r['kind']:<7} {r['tensors']:>7} "
                   f"{r['gb_bf16']:>8.2f} {r['ours_s'] * 1e3:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
                   f"{r['ours_s'] / r['floor_s']:>6.2f}x {r['ours_gbps']:>10.0f} {r['floor_gbps']:>10.0f} "
-                  f"{r['plain_s'] * 1e3:>9.1f}")
+                  f"{r['plain_s'] * 1e3:>9.1f} {r['source_s'] * 1e3:>9.1f} {r['bare_s'] * 1e3:>8.1f}")
             del r
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -129,6 +129,8 @@ def test_gpu_kernel_gives_the_plain_path_bits(dtype):
           for s in shapes]
     xs[0][:128, :128] = 0  # an all-zero block
     xs[1][7] = 1e-30  # subnormal in fp8 after scaling, next to normal values
+    # full blocks of a tensor that starts off 16-byte alignment (no wide accesses)
+    xs.append(torch.randn(1 + 256 * 384, device="cuda").to(dtype)[1:].view(256, 384))
     fmt = Fp8Format("block")
     got = quantize_many([(fmt, x) for x in xs], cache={})
     for x, (q, s) in zip(xs, got, strict=True):
@@ -151,6 +153,16 @@ def test_gpu_source_groups_bitwise_and_names_a_nan():
                 q, s = fmt.quantize(model.state_dict()[name])
                 assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
                 assert torch.equal(got[fmt.scale_name(name)], s)
+    # the kernels' set-ups are kept for one update's tensors: a source that yields new
+    # ones (an fp32 trainer's weights cast to bf16 at every update) does not pile them up
+    fp32 = workers_quant.Trainer(torch.float32).cuda()
+    source32 = QuantizedSource(ModuleSource(fp32, dtype=torch.bfloat16), workers_quant.SERVED, group_bytes=0)
+    for _ in range(4):
+        got = dict(source32)
+        assert len(source32.launches) <= len(workers_quant.SERVED)
+    for name, fmt in workers_quant.SERVED.items():
+        q, s = fmt.quantize(fp32.state_dict()[name].to(torch.bfloat16))
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
     with torch.no_grad():
         model.q.weight[200, 7] = float("inf")
     with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):

@@ -168,23 +168,65 @@ def _kernel_fits(fmt: Fp8Format, t: torch.Tensor) -> bool:
 def quantize_many(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | None = None
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:meth:`Fp8Format.quantize` of each ``(format, tensor)``, the same bits. Block-format
-    CUDA tensors go through one Triton kernel launch per block size and dtype, the rest
-    through the plain path a tensor at a time. With ``cache`` (a dict the caller keeps),
-    a list of the same tensors as a previous call reuses that call's set-up and output
-    buffers (so the last call's outputs are overwritten)."""
+    CUDA tensors go through one Triton kernel launch per block size and dtype and per
+    ``_CHUNK`` bytes, the rest through the plain path a tensor at a time. With ``cache`` (a
+    dict the caller keeps), a list of the same tensors as a previous call reuses that
+    call's set-up and output buffers (so the last call's outputs are overwritten)."""
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
-    groups: dict[tuple[Any, ...], list[int]] = {}
+    fitting = [k for k, (fmt, t) in enumerate(items) if _kernel_fits(fmt, t)]
+    for k, got in zip(fitting, _quantize_fitting([items[k] for k in fitting], cache)[0], strict=True):
+        out[k] = got
     for k, (fmt, t) in enumerate(items):
-        if _kernel_fits(fmt, t):
-            groups.setdefault((fmt.block, t.dtype, t.device), []).append(k)
-        else:
+        if out[k] is None:
             out[k] = fmt.quantize(t)
-    for (block, _, _), ks in groups.items():
-        launch = _launch([items[k] for k in ks], block, cache)
-        launch.run()
-        for k, q, sc in zip(ks, launch.outs, launch.scales, strict=True):
-            out[k] = (q, sc)
     return out  # type: ignore[return-value]
+
+
+def _quantize_fitting(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | None
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    # (items that all fit the kernel; launched a chunk at a time: the host's work on a
+    # chunk's 100-1,000 tensors, as long as the kernel's, runs beside the last chunk's
+    # kernel.) Returns the (payload, scale) of each, and the flat buffers holding every scale.
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(items)  # type: ignore[list-item]
+    flats: list[torch.Tensor] = []
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    held = 0
+
+    def launch_groups() -> None:
+        for (block, _, _), ks in groups.items():
+            launch = _launch([items[k] for k in ks], block, cache)
+            launch.run()
+            flats.append(launch.scale_flat)
+            for k, q, sc in zip(ks, launch.outs, launch.scales, strict=True):
+                out[k] = (q, sc)
+        groups.clear()
+
+    for k, (fmt, t) in enumerate(items):
+        groups.setdefault((fmt.block, t.dtype, t.get_device()), []).append(k)
+        held += t.nbytes
+        if held >= _CHUNK:
+            launch_groups()
+            held = 0
+    launch_groups()
+    return out, flats
+
+
+_CHUNK = 256 << 20
+
+
+class LaunchCache(dict):
+    """The kernel set-ups (and output buffers) of :func:`quantize_many` by their tensors;
+    :meth:`prune` drops those not used since the last prune, so a source whose tensors
+    move between updates (an FSDP gather into new buffers) holds one update's worth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used: set = set()
+
+    def prune(self) -> None:
+        for key in [k for k in self if k not in self.used]:
+            del self[key]
+        self.used = set()
 
 
 def _launch(items: list[tuple[Fp8Format, torch.Tensor]], block: tuple[int, int], cache: dict | None) -> Any:
@@ -192,11 +234,13 @@ def _launch(items: list[tuple[Fp8Format, torch.Tensor]], block: tuple[int, int],
     srcs = [t for _, t in items]
     key = (block, tuple(map(torch.Tensor.data_ptr, srcs)), tuple(map(_SHAPE, srcs)))
     launch = cache.get(key) if cache is not None else None
+    if isinstance(cache, LaunchCache):
+        cache.used.add(key)
     if launch is None:
         launch = quant_triton.BlockLaunch(srcs, [f.scale_shape(tuple(t.shape)) for f, t in items],
                                           block, FP8_MAX)
         if cache is not None:
-            if len(cache) >= 64:  # (other tensors every time: start over)
+            if len(cache) >= 1024:  # (other tensors every time: start over)
                 cache.clear()
             cache[key] = launch
     return launch
@@ -275,7 +319,7 @@ class QuantizedSource:
         self.source, self.formats, self.group_bytes = source, dict(formats), group_bytes
         #: (CUDA) the kernel's set-up and outputs per group of tensors: a dict shared by
         #: the wrappers of one trainer's successive sources keeps them across updates
-        self.launches: dict = {} if launches is None else launches
+        self.launches: dict = LaunchCache() if launches is None else launches
         inner = source.manifest
         out: list[TensorMeta] = []
         self._outer: list[int] = []  # inner tensor i -> its position here (a scale follows it)
@@ -288,6 +332,7 @@ class QuantizedSource:
             out.append(TensorMeta(m.name, FP8, m.shape))
             out.append(TensorMeta(fmt.scale_name(m.name), torch.float32, fmt.scale_shape(m.shape)))
         self._wire = {m.name: m.dtype for m in metas if m.name in self.formats}
+        self._scale_names = {name: fmt.scale_name(name) for name, fmt in self.formats.items()}
         self._scaled = [m.name in self.formats for m in metas]
         twice = [1 + k for k in self._scaled]  # (a scale shares its weight's home)
         homes = None if inner.homes is None else \
@@ -300,49 +345,54 @@ class QuantizedSource:
                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # CUDA weights are quantized a group at a time (one launch for up to group_bytes
         # of them; the tensors between them wait with them, in order); host weights one
-        # at a time, as they come
-        pending: list[tuple[str, torch.Tensor | None]] = []
+        # at a time, as they come. (Per tensor, only what must be: 9,312 tensors of a
+        # 30B MoE make every microsecond here 10 ms an update.)
+        formats, wire, group_bytes = self.formats, self._wire, self.group_bytes
+        pending: list[tuple[str, torch.Tensor | None, Fp8Format | None, bool]] = []
         todo: list[tuple[Fp8Format, torch.Tensor]] = []
         held = 0
         for name, t in named:
-            fmt = self.formats.get(name)
-            if fmt is not None and t is not None and t.dtype != self._wire[name]:
-                # (the source's dtype policy first: a rollout quantizes what it would have
-                # received, an fp32 trainer's weights cast to bf16)
-                t = t.detach().to(self._wire[name])
-            if fmt is not None and t is not None and _kernel_fits(fmt, t):
-                todo.append((fmt, t.detach()))
-                held += t.numel() * t.element_size()
-            pending.append((name, t))
-            if not todo or held >= self.group_bytes:
+            fmt = formats.get(name)
+            kernel = False
+            if fmt is not None and t is not None:
+                if t.dtype != wire[name]:
+                    # (the source's dtype policy first: a rollout quantizes what it would
+                    # have received, an fp32 trainer's weights cast to bf16)
+                    t = t.detach().to(wire[name])
+                kernel = _kernel_fits(fmt, t)
+                if kernel:
+                    todo.append((fmt, t))
+                    held += t.nbytes
+            pending.append((name, t, fmt, kernel))
+            if not todo or held >= group_bytes:
                 yield from self._flush(pending, todo)
                 pending, todo, held = [], [], 0
         yield from self._flush(pending, todo)
+        if isinstance(self.launches, LaunchCache):  # (a whole update went: keep what it used)
+            self.launches.prune()
 
-    def _flush(self, pending: list[tuple[str, torch.Tensor | None]],
+    def _flush(self, pending: list[tuple[str, torch.Tensor | None, Fp8Format | None, bool]],
                todo: list[tuple[Fp8Format, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        grouped = quantize_many(todo, self.launches) if todo else []
+        grouped, flats = _quantize_fitting(todo, self.launches) if todo else ([], [])
         # a NaN or inf anywhere shows in its block's scale: a group's scales are checked at
         # once (one sync), and tensor by tensor only to name the culprit
-        scales = [s.view(-1) for _, s in grouped]
-        suspect = bool(scales) and not bool(torch.isfinite(torch.cat(scales)).all())
+        suspect = bool(flats) and not bool(torch.stack([torch.isfinite(f).all() for f in flats]).all())
         done = iter(grouped)
-        for name, t in pending:
-            fmt = self.formats.get(name)
+        scale_names = self._scale_names
+        for name, t, fmt, kernel in pending:
             if fmt is None:
                 yield name, t
             elif t is None:  # (a rank that does not pack it)
                 yield name, None
-                yield fmt.scale_name(name), None
+                yield scale_names[name], None
             else:
-                kernel = _kernel_fits(fmt, t)
                 q, scale = next(done) if kernel else fmt.quantize(t.detach())
                 if (suspect or not kernel) and not bool(torch.isfinite(scale).all()):
                     bad = (~torch.isfinite(scale)).nonzero()[0].tolist()
                     raise PlanError(f"{name!r} holds NaN or inf (the {fmt.kind} scale at {bad} is "
                                     f"{scale[tuple(bad)].item()}): not quantized to fp8")
                 yield name, q
-                yield fmt.scale_name(name), scale
+                yield scale_names[name], scale
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._quantized(iter(self.source))  # type: ignore[return-value]

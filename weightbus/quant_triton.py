@@ -4,7 +4,8 @@ trainer quantizes: Triton is slow to import.
 
 One program per 128x128 block of any tensor of the group: a table gives each block its
 tensor and its index, and each tensor its addresses and shape, so a group's blocks go in
-one launch (two: tensors whose rows are 16-byte aligned get wide accesses). A launch per
+one launch (up to four: tensors whose rows are 16-byte aligned get wide accesses, and the
+blocks wholly inside their tensor go unmasked). A launch per
 tensor, with the 4-6 torch ops of the plain path each, is what made the plain path 80x a
 bulk cast on 9,312 tensors. The arithmetic is torch's on a GPU, operation for operation,
 so the bits are those of vLLM's quantizer run there (the tests compare them).
@@ -22,7 +23,7 @@ _SRC = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 @triton.jit
 def _block_fp8(src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor, blk_index,
                SRC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INV_MAX: tl.constexpr,
-               ALIGN: tl.constexpr, SUB: tl.constexpr):
+               ALIGN: tl.constexpr, FULL: tl.constexpr, SUB: tl.constexpr):
     b = tl.program_id(0)
     t = tl.load(blk_tensor + b)
     i = tl.load(blk_index + b)
@@ -42,13 +43,19 @@ def _block_fp8(src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor, blk_
         stride = tl.multiple_of(stride, 16)
     c = tl.arange(0, BN)[None, :]
     # two passes over the block, SUB rows at a time: its amax, then its values (read again
-    # from L2); holding the whole block in registers ran 2.8x slower on an H200
+    # from L2, where the first pass asked them to stay); holding the whole block in
+    # registers was slower. A FULL block (all of it inside its tensor: every block of the
+    # usual shapes) goes unmasked: a mask the compiler cannot prove uniform splits each
+    # access into 2-byte ones, which cost 1.6x on an H200.
     amax = tl.zeros((SUB, BN), dtype=tl.float32)
     for s in tl.range(0, BM, SUB):
         r = s + tl.arange(0, SUB)[:, None]
-        inside = (r < m - r0) & (c < n - c0)
-        x = tl.load(src + r * stride + c, mask=inside, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        if FULL:
+            x = tl.load(src + r * stride + c, eviction_policy="evict_last")
+        else:
+            x = tl.load(src + r * stride + c, mask=(r < m - r0) & (c < n - c0), other=0.0,
+                        eviction_policy="evict_last")
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     # amax in float32, clamped at 1e-4; sf = amax / 448 as torch computes it on a GPU
     # (a tensor divided by a scalar is multiplied by the scalar's float32 reciprocal);
     # 1 / sf an IEEE division (torch's reciprocal); values * (1 / sf) cast to e4m3 (round
@@ -57,9 +64,13 @@ def _block_fp8(src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor, blk_
     inv = tl.math.div_rn(1.0, sf)
     for s in tl.range(0, BM, SUB):
         r = s + tl.arange(0, SUB)[:, None]
-        inside = (r < m - r0) & (c < n - c0)
-        x = tl.load(src + r * stride + c, mask=inside, other=0.0).to(tl.float32)
-        tl.store(dst + r * stride + c, (x * inv).to(tl.float8e4nv), mask=inside)
+        if FULL:
+            x = tl.load(src + r * stride + c, eviction_policy="evict_first")
+            tl.store(dst + r * stride + c, (x.to(tl.float32) * inv).to(tl.float8e4nv))
+        else:
+            inside = (r < m - r0) & (c < n - c0)
+            x = tl.load(src + r * stride + c, mask=inside, other=0.0, eviction_policy="evict_first")
+            tl.store(dst + r * stride + c, (x.to(tl.float32) * inv).to(tl.float8e4nv), mask=inside)
     tl.store(scale + i, sf)
 
 
@@ -92,32 +103,43 @@ class BlockLaunch:
         host = torch.tensor([[t.data_ptr() for t in srcs], [q.data_ptr() for q in self.outs],
                              [sc.data_ptr() for sc in self.scales], rows, cols], dtype=torch.int64)
         self.tab = host.to(device)
-        aligned = [t.data_ptr() % 16 == 0 and n % 16 == 0 for t, n in zip(srcs, cols, strict=True)]
-        self.launches = [(flag, *_blocks([k for k, a in enumerate(aligned) if a == flag], counts, device))
-                         for flag in (True, False)]
+        aligned = torch.tensor([t.data_ptr() % 16 == 0 and n % 16 == 0
+                                for t, n in zip(srcs, cols, strict=True)], device=device)
+        tensor, index = _blocks(counts, device)
+        # (a block is full when its row block and its column block are: those below the
+        # last, or the last where the extent divides by the block)
+        cols_d = torch.tensor(cols, dtype=torch.int32, device=device)[tensor]
+        rows_d = torch.tensor(rows, dtype=torch.int32, device=device)[tensor]
+        nbc = (cols_d + bn - 1) // bn
+        full = ((index // nbc + 1) * bm <= rows_d) & ((index % nbc + 1) * bn <= cols_d)
+        self.launches = []
+        for align in (True, False):
+            for whole in (True, False):
+                pick = (aligned[tensor] == align) & (full == whole)
+                self.launches.append((align, whole, int(pick.sum()), tensor[pick], index[pick]))
 
-    # (an H200, 30b-a3b's 9,312 served weights: 8 rows of a block at a time in 8 warps,
-    # 17.6 ms; 4/4 21 ms, 16/8 23 ms, 16/16 20 ms, 2/4 30 ms; a bulk cast 13.5 ms)
+    # (an H200, 30b-a3b's 9,312 served weights, full blocks: 8 rows of a block at a time
+    # in 8 warps, 11.0 ms, 4,080 GB/s; 8/4 13.7 ms, 16/4 13.5 ms, 16/8 11.4 ms with the
+    # eviction hints 14.6 ms without; a bulk cast 13.5 ms. benchmarks/quant_kernels.py)
     num_warps, sub = 8, 8
 
     def run(self) -> None:
         t = self.tab
-        for align, total, blk_tensor, blk_index in self.launches:
+        for align, full, total, blk_tensor, blk_index in self.launches:
             if total:
                 _block_fp8[(total,)](t[0], t[1], t[2], t[3], t[4], blk_tensor, blk_index,
                                      SRC=_SRC[self.dtype], BM=self.block[0], BN=self.block[1],
-                                     INV_MAX=self.inv_max, ALIGN=align, SUB=self.sub,
+                                     INV_MAX=self.inv_max, ALIGN=align, FULL=full, SUB=self.sub,
                                      num_warps=self.num_warps)
 
 
-def _blocks(ids: list[int], counts: list[int], device: torch.device
-            ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(how many, each one's tensor, its index in that tensor) for the blocks of ``ids``."""
-    per = torch.tensor([counts[k] for k in ids], dtype=torch.int64, device=device)
-    total = int(sum(counts[k] for k in ids))
-    tensor = torch.repeat_interleave(torch.tensor(ids, dtype=torch.int32, device=device), per,
+def _blocks(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each block's tensor, its index in that tensor) for every block of every tensor."""
+    per = torch.tensor(counts, dtype=torch.int64, device=device)
+    total = int(sum(counts))
+    tensor = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=device), per,
                                      output_size=total)
     starts = torch.cumsum(per, 0) - per
     index = (torch.arange(total, device=device, dtype=torch.int64)
              - torch.repeat_interleave(starts, per, output_size=total)).to(torch.int32)
-    return total, tensor, index
+    return tensor, index
