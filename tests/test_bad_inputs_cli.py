@@ -168,6 +168,15 @@ BAD = [  # argv, then what the one line must name: the option, the value, the fi
     (["bench", "--plot", "/nonexistent/wb/p.svg"], "--plot", "/nonexistent/wb", "does not exist"),
     (["bench", "--topology", "tree"], "--topology tree", "nixl", "--backend nixl"),
     (["bench", "--preset", "tiny", "--tensors", "10"], "--tensors", "--preset tiny", "drop"),
+    (["plan", "--trainers", "0"], "--trainers", "got 0", "[1, 1000000]"),
+    (["plan", "--rollout-gpus", "0"], "--rollout-gpus", "got 0", "[1, 1024]"),
+    (["plan", "--sweep", "0,2"], "--sweep", "'0,2'", "replica counts >= 1"),
+    (["plan", "--model", "nope"], "--model", "'nope'", "no config.json"),
+    (["plan", "--cluster", "a100"], "--cluster", "'a100'", "h100"),
+    (["plan", "--plot", "/tmp/wb-plan.svg"], "--plot", "draws the --sweep", "give --sweep"),
+    (["plan", "--senders", "9", "--trainers", "8"], "--senders 9", "8 trainer GPUs", "at most 8"),
+    (["plan", "--nodes", "1", "--trainers", "8", "--replicas", "1"], "--nodes 1", "needs 16 GPUs",
+     "--nodes 2 or more"),
 ]
 
 
@@ -214,7 +223,7 @@ def test_options_that_would_do_nothing_are_refused(nothing_starts, capsys, tmp_p
 def test_every_option_of_every_subcommand_has_help():
     parser = cli.build_parser()
     subs = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
-    assert set(subs) == {"demo", "bench"}
+    assert set(subs) == {"demo", "bench", "plan"}
     for name, sub in subs.items():
         bare = [a.option_strings for a in sub._actions if not (a.help or "").strip()]
         assert not bare, f"weightbus {name}: no help for {bare}"

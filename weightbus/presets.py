@@ -3,6 +3,9 @@ HF config numbers), so tensor counts and shapes are realistic."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 QWEN3: dict[str, dict[str, int | bool]] = {
     # a tiny member of the family, for smoke runs and CI
     "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
@@ -60,7 +63,14 @@ def shapes(preset: str, layers: int | None = None) -> list[tuple[str, tuple[int,
     st = _stress(preset)
     if st is not None:
         return [(f"stress.{i}.weight", (st[1] // 2,)) for i in range(st[0])]
-    c = dict(QWEN3[ALIASES.get(preset, preset)])
+    return config_shapes(QWEN3[ALIASES.get(preset, preset)], layers)
+
+
+def config_shapes(config: Mapping[str, Any], layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor of a Qwen3-family config (dense, or MoE with
+    ``num_experts``), in HF state-dict order: what :func:`shapes` lays out for a preset,
+    for any config with the same keys (a Hugging Face ``config.json``'s)."""
+    c = dict(config)
     if layers is not None:
         c["num_hidden_layers"] = min(layers, int(c["num_hidden_layers"]))
     h, heads, kv, hd = (int(c[k]) for k in ("hidden_size", "num_attention_heads",

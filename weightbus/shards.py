@@ -23,6 +23,7 @@ tensors); one it maps to no box is not wanted at all.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -263,8 +264,18 @@ class ShardPlan:
         the largest tensors placed first; ties go to the lowest rank."""
         homes = manifest.homes if n > 1 else None
         load, out = [0] * n, [0] * len(wanted)
-        for i in sorted(range(len(wanted)), key=lambda i: (-wanted[i], i)):
-            held = sorted(homes[i]) if homes is not None and homes[i] is not None else range(n)  # type: ignore[index]
+        order = sorted(range(len(wanted)), key=lambda i: (-wanted[i], i))
+        if homes is None or all(h is None for h in homes):
+            # every rank holds every tensor: the least loaded is the heap's top (the same
+            # choice as the scan below, in log n: 140k tensors x 256 senders took 14 s)
+            heap = [(0, r) for r in range(n)]
+            for i in order:
+                w, s = heapq.heappop(heap)
+                out[i] = s
+                heapq.heappush(heap, (w + wanted[i], s))
+            return out
+        for i in order:
+            held = sorted(homes[i]) if homes[i] is not None else range(n)  # type: ignore[index]
             held = [h for h in held if h < n]
             if not held:
                 raise PlanError(f"tensor {manifest[i].name!r} is held by no sender rank below {n}")

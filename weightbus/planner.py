@@ -1,0 +1,125 @@
+"""``weightbus plan``: the simulator's table for one cluster and layout, the recommended
+backend and bucket size, and the update's time against the number of rollout replicas
+(a text plot, or an SVG)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from weightbus.cluster import Cluster, Layout, model_shapes
+from weightbus.errors import PlanError
+from weightbus.simulate import Prediction, manifest_of, plan
+
+
+@dataclass(frozen=True)
+class Question:
+    """One planning question: a cluster, a layout, a model and how it travels."""
+
+    cluster: Cluster
+    layout: Layout
+    model: str
+    fp8: bool = False
+    delta: float | None = None
+    trainer_dtype: torch.dtype = torch.bfloat16
+    bucket_sizes: tuple[int, ...] = (256 << 20, 1 << 30)
+
+
+def answer(q: Question) -> tuple[list[Prediction], dict]:
+    """The predictions, fastest first, and what the model is (tensors, bytes)."""
+    manifest = manifest_of(model_shapes(q.model), fp8=q.fp8)
+    preds = plan(q.cluster, q.layout, manifest, bucket_sizes=q.bucket_sizes, fp8=q.fp8, delta=q.delta,
+                 trainer_dtype=q.trainer_dtype)
+    return preds, {"tensors": len(manifest), "gb": manifest.nbytes / 1e9}
+
+
+def table(q: Question, preds: list[Prediction], model: dict) -> str:
+    c, lay = q.cluster, q.layout
+    nic = f"{c.nics_per_node} x {c.nic_gbps:g} GB/s NICs" if c.nics_per_node else "no NIC"
+    where = "colocated on the trainers' GPUs" if lay.colocated else "on their own GPUs"
+    lines = [
+        f"cluster {c.name}: {c.nodes} node(s) x {c.gpus_per_node} GPUs, NVLink {c.nvlink_gbps:g} GB/s, {nic} "
+        f"per node, HBM {c.hbm_gbps:g} GB/s",
+        f"model {q.model}: {model['tensors']:,} tensors, {model['gb']:.1f} GB on the wire"
+        f"{' (fp8 served weights)' if q.fp8 else ''}{f', delta {q.delta:g} of the bytes' if q.delta else ''}",
+        f"layout: {lay.trainers} trainer GPUs ({lay.n_senders} send) -> {lay.replicas} replica(s) x "
+        f"{lay.rollout_gpus} GPU(s), {where}",
+        "",
+        f"{'backend':<15}{'seconds':>9}{'floor s':>9}{'ratio':>7}{'NIC GB':>9}{'NVLink GB':>10}"
+        f"{'GB/rollout':>11}{'+GiB/GPU':>9}{'bucket':>10}{'buckets':>9}  bottleneck",
+    ]
+    for p in preds:
+        lines.append(f"{p.backend:<15}{p.seconds:>9.3f}{p.floor_s:>9.3f}{p.ratio:>6.2f}x{p.nic_gb:>9.1f}"
+                     f"{p.nvlink_gb:>10.1f}{p.rollout_gb:>11.1f}{p.peak_extra_gib:>9.2f}"
+                     f"{_mib(p):>10}{p.buckets:>9}  "
+                     f"{p.bottleneck}")
+    best = preds[0]
+    parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.parts.items() if v >= 5e-4)
+    size = f"{_mib(best)} buckets" if best.buckets else "no buckets (written in place)"
+    lines += ["", f"recommended: {best.backend}, {size}: {best.seconds:.3f} s, {best.ratio:.2f}x the "
+              f"floor ({parts})"]
+    lines += [f"  {p.backend}: {'; '.join(p.notes)}" for p in preds if p.notes]
+    return "\n".join(lines)
+
+
+def _mib(p: Prediction) -> str:
+    return f"{p.bucket_size >> 20} MiB" if p.buckets else "-"
+
+
+def sweep(q: Question, replicas: list[int]) -> list[tuple[int, Prediction]]:
+    """The best backend's prediction for each number of replicas (the cluster grows by
+    whole nodes to fit the layout)."""
+    out = []
+    for n in replicas:
+        lay = replace(q.layout, replicas=n)
+        need = -(-lay.gpus_needed() // q.cluster.gpus_per_node)
+        c = q.cluster.with_nodes(max(q.cluster.nodes, need))
+        preds, _ = answer(replace(q, cluster=c, layout=lay))
+        out.append((n, preds[0]))
+    return out
+
+
+def sweep_text(rows: list[tuple[int, Prediction]], width: int = 40) -> str:
+    top = max(p.seconds for _, p in rows) or 1.0
+    lines = [f"{'replicas':>8}  {'best':<10}{'seconds':>9}{'floor s':>9}"]
+    for n, p in rows:
+        bar = "#" * max(1, round(width * p.seconds / top))
+        lines.append(f"{n:>8}  {p.backend:<10}{p.seconds:>9.3f}{p.floor_s:>9.3f}  {bar}")
+    return "\n".join(lines)
+
+
+def sweep_svg(rows: list[tuple[int, Prediction]], title: str) -> str:
+    """Seconds (best backend) and the floor against the number of replicas, as an SVG
+    line plot (no plotting library needed)."""
+    w, h, left, bottom = 560, 300, 60, 40
+    xs = [n for n, _ in rows]
+    top = max(max(p.seconds, p.floor_s) for _, p in rows) * 1.1 or 1.0
+
+    def at(i: int, v: float) -> tuple[float, float]:
+        x = left + (w - left - 20) * (i / max(1, len(xs) - 1))
+        return x, h - bottom - (h - bottom - 30) * v / top
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="11">', f'<text x="10" y="18" font-weight="bold">{title}</text>']
+    for key, color in (("seconds", "#3070c0"), ("floor_s", "#999999")):
+        points = (at(i, getattr(p, key)) for i, (_, p) in enumerate(rows))
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
+    for i, (n, p) in enumerate(rows):
+        x, y = at(i, p.seconds)
+        out.append(f'<text x="{x - 8:.1f}" y="{h - bottom + 15}">{n}</text>')
+        out.append(f'<text x="{x + 3:.1f}" y="{y - 4:.1f}">{p.seconds:.2f} s ({p.backend})</text>')
+    out += [f'<text x="{w / 2 - 40:.0f}" y="{h - 8}">rollout replicas</text>',
+            '<text x="10" y="40" fill="#3070c0">weightbus (best backend)</text>',
+            '<text x="10" y="54" fill="#999999">floor</text>', "</svg>"]
+    return "\n".join(out)
+
+
+def check_model(model: str) -> str:
+    """``model`` if the planner can read its shapes (a PlanError naming the choices if not)."""
+    model_shapes(model)
+    return model
+
+
+__all__ = ["PlanError", "Question", "answer", "check_model", "sweep", "sweep_svg", "sweep_text", "table"]
