@@ -67,7 +67,8 @@ class Calibration:
     colocated_fixed_s: float = 5.0e-3
     ring_bucket_s: float = 0.58e-3  # the colocated ring's per-bucket stream sync + handshake
     group_s: float = 0.13e-3  # FSDP direct: a 256 MiB gather group's launch and wait
-    link_latency_s: float = 10e-6
+    #: colocated: per tensor, the bulk checks only (no per-tensor walk on either side)
+    colocated_tensor_s: float = 0.055e-6
 
 
 CALIBRATION = Calibration()
@@ -177,9 +178,7 @@ class _Links:
 
     def hop(self, src: int, dst: int, nbytes: float) -> None:
         c = self.c
-        if src == dst:
-            self.load[("hbm", src)] += 2 * nbytes
-        elif c.node_of(src) == c.node_of(dst):
+        if c.node_of(src) == c.node_of(dst):
             self.load[("nvlink out", src)] += nbytes
             self.load[("nvlink in", dst)] += nbytes
         else:
@@ -188,17 +187,16 @@ class _Links:
 
     def rate(self, key: tuple) -> float:
         c, cal = self.c, self.cal
-        if key[0] == "hbm":
-            return c.hbm_gbps * GB * cal.hbm_eff
         if key[0].startswith("nvlink"):
             return c.nvlink_gbps * GB * cal.nvlink_eff
         return c.nic_gbps * GB * cal.nic_eff
 
-    def hop_rate(self, src: int, dst: int) -> float:
+    def link_of(self, src: int, dst: int) -> tuple[float, float]:
+        """(rate, latency) of one hop from GPU ``src`` to GPU ``dst``."""
         c = self.c
-        if src == dst:
-            return self.rate(("hbm",))
-        return self.rate(("nvlink",) if c.node_of(src) == c.node_of(dst) else ("nic",))
+        if c.node_of(src) == c.node_of(dst):
+            return self.rate(("nvlink",)), c.nvlink_latency_us * 1e-6
+        return self.rate(("nic",)), c.latency_us * 1e-6
 
     def busiest(self) -> tuple[float, str]:
         if not self.load:
@@ -257,7 +255,6 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         buckets = len(plan)
         sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * scale for s in range(T)]
         rgpu = [lay.rollout_gpu(r) for r in range(R)]
-        depth = 1
         if backend == "nccl":
             # one ring per sender over every rollout GPU, node by node (NCCL's order)
             order = sorted(rgpu, key=lambda g: (c.node_of(g), g))
@@ -265,12 +262,15 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
                 chain = [lay.sender_gpu(s), *order]
                 for a, b in zip(chain, chain[1:], strict=False):
                     links.hop(a, b, sent[s])
-            depth = 1  # (NCCL pipelines a bucket in small chunks: the fill is one chunk per hop)
-            parts["fill"] = len(order) * (4 << 20) / links.hop_rate(order[0], order[-1])
+            # (NCCL pipelines a bucket in small chunks: the fill is a chunk and a latency a hop)
+            chain = [lay.sender_gpu(0), *order]
+            parts["fill"] = sum((4 << 20) / rate + lat for rate, lat in
+                                (links.link_of(a, b) for a, b in zip(chain, chain[1:], strict=False)))
         else:
             senders_gbps = c.nic_gbps if c.nodes > 1 else c.nvlink_gbps
             fan = topology.choose(T, R, kind=topology_kind, sender_gbps=senders_gbps,
                                   receiver_gbps=senders_gbps)
+            depth = 1
             for s in range(T):
                 heads, children = topology.layout(s, R, fan)
                 for h in heads:
@@ -280,7 +280,8 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
                         links.hop(rgpu[p], rgpu[ch], sent[s])
                 depth = max(depth, _depth(heads, children))
             # (a relay forwards a bucket once it has all of it)
-            parts["fill"] = (depth - 1) * bucket_size * scale / links.hop_rate(rgpu[0], rgpu[-1])
+            rate, lat = links.link_of(rgpu[0], rgpu[-1])
+            parts["fill"] = (depth - 1) * (bucket_size * scale / rate + lat)
             notes.append(f"nixl {fan.kind}: {fan.sender} head(s), {fan.relay} child(ren) per relay, "
                          f"depth {depth}")
         parts["pack+unpack"] = 2 * copy_s(min(bucket_size, wire) * scale, read_x)
@@ -309,7 +310,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     else:  # colocated: each rollout rank's bytes copied on its own GPU from its trainer's
         received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
         mine = max(received)
-        parts["tensors"] = len(manifest) * cal.tensor_s * 0.03  # (bulk checks, no per-tensor walk)
+        parts["tensors"] = len(manifest) * cal.colocated_tensor_s
         parts["fixed"] = cal.colocated_fixed_s
         if lay.trainers > 1:  # FSDP: each GPU gathers the shards it lacks of whole tensors
             got = wire * scale * (lay.trainers - 1) / lay.trainers
