@@ -177,6 +177,9 @@ BAD = [  # argv, then what the one line must name: the option, the value, the fi
     (["plan", "--senders", "9", "--trainers", "8"], "--senders 9", "8 trainer GPUs", "at most 8"),
     (["plan", "--nodes", "1", "--trainers", "8", "--replicas", "1"], "--nodes 1", "needs 16 GPUs",
      "--nodes 2 or more"),
+    (["plan", "--trainers", "12", "--tp", "8"], "--tp 8", "12 trainer GPUs", "multiple of 8"),
+    (["plan", "--trainers", "8", "--tp", "2", "--senders", "4"], "--senders 4", "under Megatron",
+     "drop --senders"),
 ]
 
 

@@ -80,6 +80,27 @@ def test_the_schedule_is_the_engines_plan():
     assert sharded.seconds < bcast.seconds
 
 
+def test_megatron_buckets_leave_from_where_their_tensors_are():
+    """Under Megatron (tp 2, pp 2, ep 4) the plan is BucketPlan's home-aware packing: each
+    bucket is packed by a rank of the stage (and expert rank) holding all of its tensors,
+    and a packer gathers its TP pieces over NVLink."""
+    from weightbus.simulate import megatron_homes
+    manifest = manifest_of(presets.shapes("30b-a3b", 4))
+    lay = Layout(32, 1, 8, tp=2, pp=2, ep=4)
+    homed = megatron_homes(manifest, lay)
+    plan_ = BucketPlan(homed, 256 << 20, lay.n_senders)
+    for b in plan_.buckets:
+        for ch in b.chunks:
+            assert b.owner in homed.homes[ch.index], (manifest[ch.index].name, b.owner)
+    stage = {s: s // (lay.ep * lay.tp) for s in range(lay.n_senders)}
+    first = [manifest[c.index].name for b in plan_.buckets if stage[b.owner] == 0 for c in b.chunks]
+    assert first and all(".layers.0." in n or ".layers.1." in n or "embed" in n for n in first)
+    p = simulate(cluster("h100", 8), lay, manifest, "nccl", bucket_size=256 << 20)
+    assert p.nvlink_gb > 0  # (the TP gathers)
+    with pytest.raises(PlanError, match="no whole number of Megatron replicas"):
+        Layout(30, 1, 8, tp=2, pp=2, ep=4)
+
+
 def test_more_bandwidth_is_never_slower_and_the_floor_holds():
     manifest = manifest_of(presets.shapes("30b-a3b"))
     lay = Layout(16, 4, 4)

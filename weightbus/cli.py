@@ -416,7 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--trainers", type=_int(1, 1_000_000, what=" (trainer GPUs)"), default=8,
                    help="trainer GPUs")
     q.add_argument("--senders", type=_int(1, 1_000_000, what=" (trainer GPUs that send)"),
-                   help="trainer GPUs that send (default: all, as FSDP; Megatron: one data-parallel replica)")
+                   help="FSDP trainer GPUs that send (default: all of them)")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert")):
+        q.add_argument(flag, type=_int(1, 1024, what=f" ({what}-parallel size)"), default=1,
+                       help=f"the Megatron trainers' {what}-parallel size (all 1: FSDP); one data-parallel "
+                            f"replica sends, each bucket from where its tensors are")
     q.add_argument("--replicas", type=_int(1, 100_000, what=" (rollout replicas)"), default=1,
                    help="rollout replicas")
     q.add_argument("--rollout-gpus", type=_int(1, 1024, what=" (GPUs per replica)"), default=8,
@@ -470,8 +474,16 @@ def _plan(args: argparse.Namespace) -> int:
     if args.senders is not None and args.senders > args.trainers:
         args.parser.error(f"--senders {args.senders}: more than the {args.trainers} trainer GPUs "
                           f"(--trainers); give at most {args.trainers}")
+    group = args.tp * args.pp * args.ep
+    if group > 1 and args.trainers % group:
+        args.parser.error(f"--tp {args.tp} --pp {args.pp} --ep {args.ep}: {args.trainers} trainer GPUs "
+                          f"(--trainers) are no whole number of Megatron replicas of {group}; give a "
+                          f"multiple of {group}")
+    if group > 1 and args.senders is not None:
+        args.parser.error(f"--senders {args.senders}: under Megatron (--tp/--pp/--ep) one data-parallel "
+                          f"replica sends ({group} ranks); drop --senders")
     lay = Layout(args.trainers, args.replicas, args.rollout_gpus, senders=args.senders,
-                 colocated=args.colocated)
+                 colocated=args.colocated, tp=args.tp, pp=args.pp, ep=args.ep)
     c = cluster(args.cluster)
     need = -(-lay.gpus_needed() // c.gpus_per_node)
     if args.nodes is not None and args.nodes < need:

@@ -89,8 +89,12 @@ def cluster(name: str, nodes: int | None = None) -> Cluster:
 class Layout:
     """Where the weights come from and go to.
 
-    - ``trainers``: trainer GPUs (FSDP ranks, or every Megatron rank); ``senders``: how
-      many of them send (FSDP: all; Megatron: one data-parallel replica, ``tp*pp*ep``);
+    - ``trainers``: trainer GPUs; ``senders``: how many of them send (default: all, as
+      FSDP ranks do; under Megatron the ranks of one data-parallel replica, ``tp*pp*ep``);
+    - ``tp``, ``pp``, ``ep``: the trainers' Megatron parallelism (all 1: FSDP). Each
+      pipeline stage then holds its own layers, each expert-parallel rank its own experts,
+      and a tensor-parallel weight is split over its stage's ``tp`` ranks: the plan packs
+      every bucket where its tensors are held (:attr:`Manifest.homes`);
     - ``replicas`` rollout replicas of ``rollout_gpus`` GPUs each (TP x EP);
     - ``colocated``: the rollouts share the trainers' GPUs (hybrid), else they sit on the
       GPUs after the trainers' (disaggregated).
@@ -101,13 +105,27 @@ class Layout:
     rollout_gpus: int = 1
     senders: int | None = None
     colocated: bool = False
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("trainers", "replicas", "rollout_gpus"):
+        for f in ("trainers", "replicas", "rollout_gpus", "tp", "pp", "ep"):
             if int(getattr(self, f)) < 1:
                 raise PlanError(f"layout: {f} must be >= 1, got {getattr(self, f)}")
         if self.senders is not None and not 1 <= self.senders <= self.trainers:
             raise PlanError(f"layout: senders must be in [1, trainers={self.trainers}], got {self.senders}")
+        if self.megatron:
+            if self.trainers % (self.tp * self.pp * self.ep):
+                raise PlanError(f"layout: {self.trainers} trainers are no whole number of Megatron replicas "
+                                f"of tp*pp*ep = {self.tp}*{self.pp}*{self.ep}")
+            if self.senders is not None and self.senders != self.tp * self.pp * self.ep:
+                raise PlanError(f"layout: under Megatron the senders are one data-parallel replica, "
+                                f"tp*pp*ep = {self.tp * self.pp * self.ep}; got senders={self.senders}")
+
+    @property
+    def megatron(self) -> bool:
+        return self.tp * self.pp * self.ep > 1
 
     @property
     def rollouts(self) -> int:
@@ -115,7 +133,11 @@ class Layout:
 
     @property
     def n_senders(self) -> int:
-        return self.senders or self.trainers
+        return self.tp * self.pp * self.ep if self.megatron else self.senders or self.trainers
+
+    def sender_of(self, stage: int, ep_rank: int, tp_rank: int) -> int:
+        """The sender index of a Megatron rank of the first data-parallel replica."""
+        return (stage * self.ep + ep_rank) * self.tp + tp_rank
 
     def gpus_needed(self) -> int:
         return max(self.trainers, self.rollouts) if self.colocated else self.trainers + self.rollouts
@@ -124,7 +146,10 @@ class Layout:
         return r if self.colocated else self.trainers + r
 
     def sender_gpu(self, s: int) -> int:
-        # (senders spread over the trainers' nodes: one data-parallel replica's ranks)
+        if self.megatron:  # (Megatron's order: tp fastest, then ep and dp, then pp)
+            stage, inside = divmod(s, self.ep * self.tp)
+            return stage * (self.trainers // self.pp) + inside
+        # (FSDP: senders spread over the trainers' nodes)
         return s * self.trainers // self.n_senders
 
     def check(self, c: Cluster) -> None:

@@ -168,6 +168,46 @@ def _expert_index(name: str) -> int | None:
     return None
 
 
+def megatron_homes(manifest: Manifest, lay: Layout) -> Manifest:
+    """``manifest`` with :attr:`Manifest.homes`: the senders (ranks of one Megatron
+    data-parallel replica) that hold each tensor. A decoder layer's tensors live on its
+    pipeline stage (layers split evenly, the embedding on the first, the final norm and the
+    head on the last); an expert on its expert-parallel rank (experts split in contiguous
+    blocks) and on every tensor-parallel rank there (expert TP 1); every other tensor on all
+    of its stage's ranks (a tensor-parallel matrix in pieces: see :func:`tp_split`)."""
+    metas = manifest.metas
+    layers = 1 + max((_layer_index(m.name) for m in metas), default=0)
+    experts = 1 + max((e for m in metas if (e := _expert_index(m.name)) is not None), default=0)
+    homes = []
+    for m in metas:
+        name = m.name.removesuffix("_scale_inv")
+        layer = _layer_index(name)
+        if layer >= 0:
+            stage = layer * lay.pp // layers
+        else:
+            stage = 0 if "embed" in name else lay.pp - 1
+        e = _expert_index(name)
+        eps = [e * lay.ep // experts] if e is not None else range(lay.ep)
+        homes.append({lay.sender_of(stage, r, t) for r in eps for t in range(lay.tp)})
+    return Manifest(metas, homes)
+
+
+def tp_split(name: str, shape: Sequence[int]) -> bool:
+    """Whether a Megatron trainer holds this tensor in tensor-parallel pieces (every matrix
+    but the experts' and the router's; vectors are replicated)."""
+    return len(shape) == 2 and _expert_index(name) is None and \
+        not name.endswith(("mlp.gate.weight", "_scale_inv"))
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return -1
+
+
 # --- the links ------------------------------------------------------------------------------
 class _Links:
     """Bytes on each link of one update (a fluid model: concurrent transfers add up)."""
@@ -250,8 +290,14 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     read_x = trainer_dtype.itemsize / 2 if not fp8 else 2.0  # (trainer bytes read per wire byte)
     buckets = 0
 
+    sending = megatron_homes(manifest, lay) if lay.megatron and not lay.colocated else manifest
     if backend in ("nccl", "nixl"):
-        plan = BucketPlan(manifest, bucket_size, T)
+        plan = BucketPlan(sending, bucket_size, T)
+        if lay.megatron:  # a packer gathers the TP pieces it lacks from its stage's TP peers
+            for b in plan.buckets:
+                split = sum(ch.nbytes for ch in b.chunks if tp_split(manifest[ch.index].name,
+                                                                    manifest[ch.index].shape))
+                _gather(links, lay, b.owner, split)
         buckets = len(plan)
         sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * scale for s in range(T)]
         rgpu = [lay.rollout_gpu(r) for r in range(R)]
@@ -291,7 +337,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     elif backend == "sharded":
         # one sender per tensor (ShardPlan's choice); each rank of every replica gets its
         # regions straight from that sender
-        senders = ShardPlan._senders(manifest, [m.nbytes for m in manifest.metas], T)
+        senders = ShardPlan._senders(sending, [m.nbytes for m in manifest.metas], T)
         pair: dict[tuple[int, int], float] = defaultdict(float)
         metas = manifest.metas
         for r, wanted in enumerate(shards.wants):
@@ -301,6 +347,13 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
             for (s, r), nbytes in pair.items():
                 links.hop(lay.sender_gpu(s), lay.rollout_gpu(rep * lay.rollout_gpus + r), nbytes)
         buckets = sum(math.ceil(v / bucket_size) for v in pair.values()) * lay.replicas
+        if lay.megatron:  # (each tensor gathered once, on its sender)
+            split: dict[int, float] = defaultdict(float)
+            for i, m in enumerate(manifest.metas):
+                if tp_split(m.name, m.shape):
+                    split[senders[i]] += m.nbytes
+            for sender, nbytes in split.items():
+                _gather(links, lay, sender, nbytes)
         parts["pack+unpack"] = 2 * copy_s(min(bucket_size, max(pair.values())), read_x)
         parts["tensors"] = len(manifest) / T * cal.tensor_s * 2  # (a tensor's boxes per rank)
         received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
@@ -354,6 +407,16 @@ def quantize_s(manifest: Manifest, c: Cluster, cal: Calibration = CALIBRATION) -
     moved = sum(3 * m.nbytes for m in payloads) + \
         sum(m.nbytes for m in manifest.metas if m.name.endswith("_scale_inv"))
     return moved / (c.hbm_gbps * GB * cal.quant_eff) + len(payloads) * cal.quant_tensor_s
+
+
+def _gather(links: _Links, lay: Layout, sender: int, nbytes: float) -> None:
+    """Sender ``sender`` gathers the (tp-1)/tp of ``nbytes`` its TP peers hold."""
+    if lay.tp == 1 or not nbytes:
+        return
+    first = sender - sender % lay.tp
+    for peer in range(first, first + lay.tp):
+        if peer != sender:
+            links.hop(lay.sender_gpu(peer), lay.sender_gpu(sender), nbytes / lay.tp)
 
 
 def _depth(heads: list[int], children: dict[int, list[int]]) -> int:
