@@ -127,6 +127,13 @@ def test_layouts_that_do_not_fit_fail_where_given():
         simulate(cluster("h100", 2), Layout(8, 1, 8), manifest_of(presets.shapes("tiny")), "colocated")
     with pytest.raises(PlanError, match="senders must be in"):
         Layout(8, 1, 8, senders=9)
+    small = dataclasses.replace(cluster("h100", 1), host_mem_gib=16)
+    with pytest.raises(PlanError, match=r"shm keeps 2 versions of 15 GiB in host memory; a node has 16 GiB"):
+        simulate(small, Layout(4, 2, 2), manifest_of(presets.shapes("8b")), "shm")
+    with pytest.raises(PlanError, match="the rollouts must sit on the node of trainer rank 0"):
+        simulate(cluster("h100", 2), Layout(8, 1, 8), manifest_of(presets.shapes("tiny")), "shm")
+    one_node = plan(cluster("h100", 1), Layout(4, 2, 2), manifest_of(presets.shapes("tiny")))
+    assert "shm" in [p.backend for p in one_node]
     with pytest.raises(PlanError, match="unknown cluster 'a100'"):
         cluster("a100")
     with pytest.raises(PlanError, match="no preset .* no known model .* no config.json"):

@@ -4,7 +4,8 @@ tensor shapes).
 
 Bandwidths are per GPU and per direction, in GB/s: ``nvlink_gbps`` is one GPU's NVLink
 bandwidth to the other GPUs of its node, ``nic_gbps`` one NIC's (rail-aligned: GPU ``g`` of
-a node uses NIC ``g % nics_per_node``), ``hbm_gbps`` the GPU's memory. They are the
+a node uses NIC ``g % nics_per_node``), ``pcie_gbps`` the GPU's link to its host (what a
+host-memory cache moves over), ``hbm_gbps`` the GPU's memory; ``host_mem_gib`` is a node's. They are the
 hardware's nominal figures; :mod:`weightbus.simulate` applies the efficiencies measured on
 our own machines.
 """
@@ -35,12 +36,15 @@ class Cluster:
     gpu_mem_gib: float
     latency_us: float = 10.0
     nvlink_latency_us: float = 3.0
+    #: one GPU's PCIe link to its host (GB/s per direction), and a node's host memory
+    pcie_gbps: float = 64.0
+    host_mem_gib: float = 2048.0
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node", "nics_per_node"):
             if int(getattr(self, f)) < (0 if f == "nics_per_node" else 1):
                 raise PlanError(f"cluster {self.name!r}: {f} must be >= 1, got {getattr(self, f)}")
-        for f in ("nvlink_gbps", "hbm_gbps", "gpu_mem_gib"):
+        for f in ("nvlink_gbps", "hbm_gbps", "gpu_mem_gib", "pcie_gbps", "host_mem_gib"):
             if not float(getattr(self, f)) > 0:
                 raise PlanError(f"cluster {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.nodes > 1 and not (self.nic_gbps > 0 and self.nics_per_node >= 1):
@@ -70,7 +74,7 @@ CLUSTERS: dict[str, Cluster] = {
                     gpu_mem_gib=141),
     # GH200 NVL2-less nodes of 4 superchips, one 400 Gb/s NIC each (the verl anchor's)
     "gh200": Cluster("gh200", 1, 4, nvlink_gbps=450, nic_gbps=50, nics_per_node=4, hbm_gbps=4000,
-                     gpu_mem_gib=96),
+                     gpu_mem_gib=96, pcie_gbps=450, host_mem_gib=4 * 480),  # (NVLink-C2C to its Grace)
     # the machine our GPU rows were measured on: 2 H200s joined by NVLink, no NIC in use
     "h200x2": Cluster("h200x2", 1, 2, nvlink_gbps=450, nic_gbps=0, nics_per_node=0, hbm_gbps=4800,
                       gpu_mem_gib=141),

@@ -67,6 +67,8 @@ class Calibration:
     colocated_fixed_s: float = 5.0e-3
     ring_bucket_s: float = 0.58e-3  # the colocated ring's per-bucket stream sync + handshake
     group_s: float = 0.13e-3  # FSDP direct: a 256 MiB gather group's launch and wait
+    #: assumed, not measured: the share of PCIe a host-memory cache's copies reach
+    pcie_eff: float = 0.80
     #: colocated: per tensor, the bulk checks only (no per-tensor walk on either side)
     colocated_tensor_s: float = 0.055e-6
 
@@ -74,7 +76,7 @@ class Calibration:
 CALIBRATION = Calibration()
 
 #: the backends the simulator plays
-BACKENDS = ("nccl", "nixl", "sharded", "colocated", "colocated-ring")
+BACKENDS = ("nccl", "nixl", "sharded", "colocated", "colocated-ring", "shm")
 
 
 @dataclass
@@ -274,6 +276,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     links = _Links(c, cal)
     parts: dict[str, float] = {}
     notes: list[str] = []
+    bound = ""  # (what bounds a schedule that crosses no link)
     if shards is None or shards.manifest is not manifest or shards.gpus != lay.rollout_gpus:
         shards = Shards(manifest, lay.rollout_gpus)
     want = shards.bytes
@@ -360,17 +363,40 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         extra = num_buffers * bucket_size / GiB
         if any(m.name.endswith("_scale_inv") for m in manifest.metas):
             notes.append("fp8 scales go whole to every rank of a replica")
+    elif backend == "shm":
+        # the newest version kept in each node's host memory (`keep` of them): trainer rank 0
+        # writes it once over its PCIe link, every rollout GPU reads its shard over its own
+        nodes = {c.node_of(lay.rollout_gpu(r)) for r in range(R)}
+        if nodes != {c.node_of(lay.sender_gpu(0))}:
+            raise PlanError("shm keeps versions in one host's memory: the rollouts must sit on the node of "
+                            "trainer rank 0 (its publisher); across nodes use disk on a shared file system "
+                            "or a relay")
+        keep = 2
+        if keep * wire / GiB > c.host_mem_gib:
+            raise PlanError(f"shm keeps {keep} versions of {wire / GiB:.0f} GiB in host memory; a node has "
+                            f"{c.host_mem_gib:g} GiB")
+        pcie = c.pcie_gbps * GB * cal.pcie_eff
+        parts["publish"] = wire * scale / pcie
+        received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
+        parts["read"] = max(received) / pcie  # (each GPU over its own link, at once)
+        parts["tensors"] = len(manifest) * cal.tensor_s
+        buckets, extra = 0, 0.0
+        bound = "PCIe: trainer rank 0 publishes, then each GPU reads"
+        notes.append(f"host memory: {keep * wire / GiB:.0f} of {c.host_mem_gib:g} GiB; not calibrated "
+                     f"(PCIe at {cal.pcie_eff:.0%} of nominal, assumed)")
     else:  # colocated: each rollout rank's bytes copied on its own GPU from its trainer's
         received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
         mine = max(received)
         parts["tensors"] = len(manifest) * cal.colocated_tensor_s
         parts["fixed"] = cal.colocated_fixed_s
+        bound = "HBM copy"
         if lay.trainers > 1:  # FSDP: each GPU gathers the shards it lacks of whole tensors
             got = wire * scale * (lay.trainers - 1) / lay.trainers
             rate = c.nvlink_gbps * cal.allgather_eff if c.nodes == 1 else c.nic_gbps * cal.nic_eff
             parts["all-gather"] = got / (rate * GB) + math.ceil(mine / (256 << 20)) * cal.group_s
             parts["cast"] = copy_s(mine / lay.trainers, read_x)
             direct = 0.0  # (gathered straight into the rollout's tensors)
+            bound = "the all-gather over NVLink" if c.nodes == 1 else "the all-gather over NICs"
             if lay.rollout_gpus > 1:
                 notes.append(f"every GPU gathers whole tensors ({got / GB:.1f} GB) and keeps 1/"
                              f"{lay.rollout_gpus} of them: the gather, not the copy, bounds it")
@@ -396,7 +422,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         extra += mine / GiB  # (the snapshot of what was sent)
     seconds = sum(parts.values())
     floor = floor_s(c, lay, want, cal)
-    return Prediction(backend, seconds, floor, where if link_s else "HBM copy", links.most("nic"),
+    return Prediction(backend, seconds, floor, where if link_s else bound, links.most("nic"),
                       links.most("nvlink"), max(received) / GB, extra, buckets, bucket_size, parts, notes)
 
 
@@ -455,6 +481,9 @@ def plan(c: Cluster, lay: Layout, manifest: Manifest, *, bucket_sizes: Sequence[
          **kw) -> list[Prediction]:
     """Every backend that fits the layout, each at its best bucket size, fastest first."""
     names = ("colocated", "colocated-ring") if lay.colocated else ("nccl", "nixl", "sharded")
+    one_node = {c.node_of(lay.rollout_gpu(r)) for r in range(lay.rollouts)} == {c.node_of(lay.sender_gpu(0))}
+    if one_node and not lay.colocated:
+        names = (*names, "shm")
     shards = Shards(manifest, lay.rollout_gpus)
     best: list[Prediction] = []
     for name in names:
