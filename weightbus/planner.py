@@ -61,6 +61,9 @@ def table(q: Question, preds: list[Prediction], model: dict) -> str:
     lines += ["", f"recommended: {best.backend}, {size}: {best.seconds:.3f} s, {best.ratio:.2f}x the "
               f"floor ({parts})"]
     lines += [f"  {p.backend}: {'; '.join(p.notes)}" for p in preds if p.notes]
+    if best.links:
+        lines += ["", f"{best.backend}'s busiest links (GB, seconds at the link's rate):"]
+        lines += [f"  {name:<28}{gb:>9.2f} GB{s:>9.3f} s" for name, gb, s in best.links]
     return "\n".join(lines)
 
 

@@ -94,6 +94,8 @@ class Prediction:
     buckets: int
     bucket_size: int = 0
     parts: dict[str, float] = field(default_factory=dict)
+    #: the busiest links: (link, GB, seconds at its rate), busiest first
+    links: list[tuple[str, float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -241,11 +243,14 @@ class _Links:
         return self.rate(("nic",)), c.latency_us * 1e-6
 
     def busiest(self) -> tuple[float, str]:
-        if not self.load:
-            return 0.0, "none"
-        key = max(self.load, key=lambda k: self.load[k] / self.rate(k))
-        where = f"{key[0]} of GPU {key[1]}" if len(key) == 2 else f"{key[0]} {key[2]} of node {key[1]}"
-        return self.load[key] / self.rate(key), where
+        top = self.top(1)
+        return (top[0][2], top[0][0]) if top else (0.0, "none")
+
+    def top(self, n: int) -> list[tuple[str, float, float]]:
+        """The ``n`` busiest links: (name, GB, seconds at its rate)."""
+        keys = sorted(self.load, key=lambda k: -self.load[k] / self.rate(k))[:n]
+        return [(f"{k[0]} of GPU {k[1]}" if len(k) == 2 else f"{k[0]} {k[2]} of node {k[1]}",
+                 self.load[k] / GB, self.load[k] / self.rate(k)) for k in keys]
 
     def most(self, kind: str) -> float:
         return max((v for k, v in self.load.items() if k[0].startswith(kind)), default=0.0) / GB
@@ -423,7 +428,8 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     seconds = sum(parts.values())
     floor = floor_s(c, lay, want, cal)
     return Prediction(backend, seconds, floor, where if link_s else bound, links.most("nic"),
-                      links.most("nvlink"), max(received) / GB, extra, buckets, bucket_size, parts, notes)
+                      links.most("nvlink"), max(received) / GB, extra, buckets, bucket_size, parts,
+                      links.top(8), notes)
 
 
 def quantize_s(manifest: Manifest, c: Cluster, cal: Calibration = CALIBRATION) -> float:
