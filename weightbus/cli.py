@@ -429,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--fp8", action="store_true", help="the rollout serves fp8: the trainers quantize and "
                    "send e4m3 payloads with their scales")
     q.add_argument("--delta", type=_fraction, metavar="FRACTION",
-                   help="delta updates: the fraction of the bytes that travel (measured: 0.059 bf16, "
-                        "0.013 fp8 at 2%% of the elements changed)")
+                   help="delta updates: the fraction of the elements that change per step (e.g. 0.02); "
+                        "the records are sized by the delta engine's own encoding rule")
     q.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="what the trainers hold (fp32 is cast into the buckets)")
     q.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"), action="append",

@@ -39,11 +39,12 @@ def table(q: Question, preds: list[Prediction], model: dict) -> str:
     nic = f"{c.nics_per_node} x {c.nic_gbps:g} GB/s NICs" if c.nics_per_node else "no NIC"
     where = "colocated on the trainers' GPUs" if lay.colocated else "on their own GPUs"
     megatron = f" (Megatron tp {lay.tp} pp {lay.pp} ep {lay.ep})" if lay.megatron else ""
+    delta = f", delta updates ({q.delta:g} of the elements changed)" if q.delta else ""
     lines = [
         f"cluster {c.name}: {c.nodes} node(s) x {c.gpus_per_node} GPUs, NVLink {c.nvlink_gbps:g} GB/s, {nic} "
         f"per node, HBM {c.hbm_gbps:g} GB/s",
         f"model {q.model}: {model['tensors']:,} tensors, {model['gb']:.1f} GB on the wire"
-        f"{' (fp8 served weights)' if q.fp8 else ''}{f', delta {q.delta:g} of the bytes' if q.delta else ''}",
+        f"{' (fp8 served weights)' if q.fp8 else ''}{delta}",
         f"layout: {lay.trainers} trainer GPUs{megatron} ({lay.n_senders} send) -> {lay.replicas} "
         f"replica(s) x {lay.rollout_gpus} GPU(s), {where}",
         "",

@@ -156,6 +156,19 @@ def _pad(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+def body_sizes(n: int, k: int, e: int) -> tuple[int, int, int]:
+    """Body bytes of a record of ``n`` elements of ``e`` bytes, ``k`` of them changed, in
+    each encoding: (positions + values, bitmap + values, dense values); the smallest goes
+    (``weightbus plan`` sizes delta updates by the same rule)."""
+    return _pad(4 * k) + e * k, _pad((n + 7) // 8) + e * k, e * n
+
+
+def record_bytes(n: int, k: int, e: int) -> int:
+    """Bytes a record of ``k`` changes among ``n`` elements takes in a bucket (header
+    included; none when nothing changed)."""
+    return _HEADER + min(body_sizes(n, k, e)) if k else 0
+
+
 # ------------------------------------------------------------------ trainer side
 
 
@@ -244,7 +257,7 @@ def encode(index: int, start: int, cur: torch.Tensor, snap: torch.Tensor | None,
         return None
     vals = torch.index_select(cur, 0, idx)
     digest = _weighted(idx + start, _bits(vals).long() - torch.index_select(old, 0, idx).long())
-    sparse, bitmap, dense = _pad(4 * k) + e * k, _pad((n + 7) // 8) + e * k, e * n
+    sparse, bitmap, dense = body_sizes(n, k, e)
     if dense <= min(sparse, bitmap):
         kind, body = DENSE, [_padded(cur.view(torch.uint8))]
     elif sparse <= bitmap:
