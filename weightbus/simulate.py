@@ -286,7 +286,6 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     if shards is None or shards.manifest is not manifest or shards.gpus != lay.rollout_gpus:
         shards = Shards(manifest, lay.rollout_gpus)
     want = shards.bytes
-    big = [m.nbytes >= 16 << 20 for m in manifest.metas]
     small_x = cal.small_copy_x[0 if trainer_dtype.itemsize <= 2 else 1]
 
     def copy_s(nbytes: float, read_x: float = 1.0, small: float = 0.0) -> float:
@@ -295,7 +294,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         t = nbytes * (1 + read_x) / (c.hbm_gbps * GB * cal.hbm_eff)
         return t * (1 - small) + t * small * small_x
 
-    small_share = sum(m.nbytes for m, b in zip(manifest.metas, big, strict=True) if not b) / max(1, wire)
+    small_share = sum(m.nbytes for m in manifest.metas if m.nbytes < 16 << 20) / max(1, wire)
     read_x = trainer_dtype.itemsize / 2 if not fp8 else 2.0  # (trainer bytes read per wire byte)
     buckets = 0
 
