@@ -34,7 +34,7 @@ rank 0 alone. On the first update the manifest is learnt by reading the generato
 tensors are held until that update is sent); later updates stream.
 
 Options reach the engine through verl's ``engine_kwargs``, under the backend's name, e.g.
-``checkpoint_engine.engine_kwargs={"weightbus.gloo": {"delta": True, "timeout": 120}}``;
+``checkpoint_engine.engine_kwargs={"weightbus.gloo": {"wire_dtype": "bfloat16", "timeout": 120}}``;
 an option the engine does not take fails where verl builds it, naming the closest one.
 """
 
@@ -94,7 +94,6 @@ class VerlEngine(_VerlEngine):
         role = "trainer" if is_master is not None else None
         self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
             self.backend, bucket_size=bucket_size, role=role, **kwargs)
-        self.is_master = bool(is_master)
         self._manifest: Manifest | None = None  # learnt from the first update's weights
 
     # --- verl's lifecycle --------------------------------------------------------------
