@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--sweep", type=_counts, metavar="N,N,...",
                    help="also the best time for each of these replica counts (a text plot)")
     q.add_argument("--plot", type=_out_file, metavar="FILE", help="--sweep: draw it into this SVG file")
+    q.add_argument("--json", type=_out_file, metavar="FILE",
+                   help="write every backend's prediction as JSON: GB per sender, per rollout GPU and per "
+                        "link, the parts of the time, the floor, the memory (and the sweep)")
     q.set_defaults(fn=_plan, parser=q)
     return p
 
@@ -467,7 +470,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from weightbus.cluster import Layout, cluster
     from weightbus.errors import PlanError
-    from weightbus.planner import Question, answer, sweep, sweep_svg, sweep_text, table
+    from weightbus.planner import Question, answer, as_json, sweep, sweep_svg, sweep_text, table
 
     if args.plot and not args.sweep:
         args.parser.error("--plot draws the --sweep: give --sweep N,N,... too")
@@ -499,14 +502,18 @@ def _plan(args: argparse.Namespace) -> int:
                  bucket_sizes=tuple(mb << 20 for mb in (args.bucket_mb or [256, 1024])))
     preds, model = answer(q)
     print(table(q, preds, model))
-    if args.sweep:
-        rows = sweep(q, args.sweep)
+    rows = sweep(q, args.sweep) if args.sweep else None
+    if rows:
         print()
         print(sweep_text(rows))
         if args.plot:
             with open(args.plot, "w") as f:
                 f.write(sweep_svg(rows, f"{args.model} on {c.name}: seconds per update"))
             print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(as_json(q, preds, model, rows), f, indent=1)
+        print(f"json: {args.json}")
     return 0
 
 

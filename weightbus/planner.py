@@ -4,7 +4,8 @@ backend and bucket size, and the update's time against the number of rollout rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
@@ -68,6 +69,27 @@ def table(q: Question, preds: list[Prediction], model: dict) -> str:
     return "\n".join(lines)
 
 
+def as_json(q: Question, preds: list[Prediction], model: dict,
+            sweep_rows: list[tuple[int, Prediction]] | None = None) -> dict[str, Any]:
+    """Everything the table summarises, per backend: what would move per rank (GB each
+    sender sends, each rollout GPU receives) and per link (every link's GB), the parts of
+    the time, the floor, the memory, the notes; and the sweep, if there is one."""
+    lay = q.layout
+    return {
+        "cluster": asdict(q.cluster),
+        "layout": {"trainers": lay.trainers, "senders": lay.n_senders, "replicas": lay.replicas,
+                   "rollout_gpus": lay.rollout_gpus, "colocated": lay.colocated, "tp": lay.tp, "pp": lay.pp,
+                   "ep": lay.ep, "sender_gpus": [lay.sender_gpu(s) for s in range(lay.n_senders)],
+                   "rollout_gpus_by_rank": [lay.rollout_gpu(r) for r in range(lay.rollouts)]},
+        "model": {"name": q.model, **model, "fp8": q.fp8, "delta": q.delta,
+                  "trainer_dtype": str(q.trainer_dtype).removeprefix("torch.")},
+        "recommended": {"backend": preds[0].backend, "bucket_mb": preds[0].bucket_size >> 20},
+        "predictions": [{**asdict(p), "ratio": p.ratio} for p in preds],
+        "sweep": [{"replicas": n, "backend": p.backend, "seconds": p.seconds, "floor_s": p.floor_s}
+                  for n, p in sweep_rows or []],
+    }
+
+
 def _mib(p: Prediction) -> str:
     return f"{p.bucket_size >> 20} MiB" if p.buckets else "-"
 
@@ -127,4 +149,5 @@ def check_model(model: str) -> str:
     return model
 
 
-__all__ = ["PlanError", "Question", "answer", "check_model", "sweep", "sweep_svg", "sweep_text", "table"]
+__all__ = ["PlanError", "Question", "answer", "as_json", "check_model", "sweep", "sweep_svg", "sweep_text",
+           "table"]

@@ -1,33 +1,37 @@
 """What a weight sync would take on a cluster we do not have (``weightbus plan``).
 
 The schedule is the engines' own: :class:`~weightbus.plan.BucketPlan` says which sender
-packs which bucket (broadcast and chains), :meth:`ShardLayout.wants` and
+packs which bucket (broadcast, chains, mooncake's reads), :meth:`ShardLayout.wants` and
 :meth:`ShardPlan._senders` which regions each rollout rank takes and which sender sends
 each tensor (sharded receive), :func:`weightbus.topology.choose` and ``layout`` the
-trees ``nixl`` forwards along. What is simulated is how those bytes cross the links:
+trees ``nixl`` forwards along, :func:`weightbus.engines.delta.record_bytes` what a delta
+update's records weigh. Each backend's schedule is one function (``_schedule``); what is
+simulated is how its bytes cross the links:
 
 - every transfer is put on the links it crosses (an NVLink port out and in inside a node,
-  a NIC out and in between nodes, rail-aligned; HBM on one GPU), and concurrent transfers
-  share a link, so its load is the sum of what crosses it (a fluid model: contention is
-  bytes adding up on the busiest link, which is what bounds a pipelined schedule);
+  a NIC out and in between nodes, rail-aligned; a GPU's PCIe link to its host), and
+  concurrent transfers share a link, so its load is the sum of what crosses it (a fluid
+  model: contention is bytes adding up on the busiest link, which is what bounds a
+  pipelined schedule);
 - the update takes the busiest link's load at its rate (nominal x the efficiency measured
   on our machines), plus what does not overlap with it: the pipeline's fill (a relay
   forwards a bucket once it has it, so each hop of a chain adds a bucket), the first
   bucket's pack and the last one's unpack, a per-tensor host cost, per-bucket
-  handshakes and a fixed per-update cost (the header and the agreed outcome);
-- trainer-side work is added where it does not overlap: fp8 quantization, delta diffs.
+  handshakes and a fixed per-update cost (the header and the agreed outcome); copies on
+  one GPU (colocated) and FSDP gathers are priced by the same measured rates;
+- work on either side is added where it does not overlap: fp8 quantization, a delta
+  update's diff, its patches applied, and the receivers' whole-destination check.
 
 :data:`CALIBRATION` holds every constant, each measured on our GPUs (benchmarks/RESULTS.md
 names the rows; ``tests/test_simulate.py`` holds the simulator within 15% of them).
-NIC figures are not measured here (our machines have none in use): ``nic_eff`` is an
-assumption, and rows across nodes are predictions, not calibrated ones.
+NIC and PCIe figures are not measured here (our machines have none in use): ``nic_eff``
+and ``pcie_eff`` are assumptions, and rows across nodes are predictions, not calibrated ones.
 """
-
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,29 +48,41 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class Calibration:
-    """Rates and costs measured on our machines (see the module doc)."""
+    """Rates and costs measured on our machines (see the module doc; the rows are in
+    benchmarks/RESULTS.md, "The planner", each with the command that measured it)."""
 
     #: NCCL's broadcast over NVLink: 368 of 450 GB/s (2xH200, a raw broadcast of 16-65 GB)
     nvlink_eff: float = 0.817
+    #: the engines' transfers run beside their packs and unpacks on the same GPUs (HBM
+    #: shared): 4.6% slower than the raw link (the 0.6b and 8b broadcast rows)
+    overlap_x: float = 1.046
     #: an all-gather over NVLink (FSDP2 gathering into the rollout's tensors): 252 of 450
     allgather_eff: float = 0.56
+    #: one all-gather call's least time (a tensor gathered on its own: 4,719 of them took
+    #: 244 ms against 33 ms for their bytes in bulk, benchmarks/gather_each.py)
+    gather_call_s: float = 50e-6
     #: assumed, not measured: a 400 Gb/s NIC's share NCCL and NIXL reach
     nic_eff: float = 0.90
     #: one bulk cast-copy on a GPU (H200: 14.8 ms for 62.4 GB read + written)
     hbm_eff: float = 0.88
     #: the multi-tensor copy of tensors under 16 MiB, x the bulk copy's time (bf16, fp32 src)
-    small_copy_x: tuple[float, float] = (1.5, 1.25)
+    small_copy_x: tuple[float, float] = (1.65, 1.25)
     #: the block-fp8 kernel (84% of an H200's HBM) and the host's cost per quantized tensor
     quant_eff: float = 0.84
     quant_tensor_s: float = 0.52e-6
-    #: delta mode's diff on the trainer, x a bulk pass over the bytes it reads and writes
-    diff_eff: float = 0.64
+    #: delta mode: the trainer's diff and encode, x a bulk pass over the bytes it reads and
+    #: writes (8b: 26 ms on an H200); the receiver's apply, in bulk reads of the dense bytes,
+    #: at (fraction changed, x) from the delta kernels' table (8b at 2%: 9.9 ms); the
+    #: whole-destination check, x a bulk read (8b: 11.4 ms in an update, the kernel 10.7 ms)
+    diff_eff: float = 0.39
+    apply_x: tuple[tuple[float, float], ...] = ((0.0, 0.0), (0.02, 2.9), (0.1, 17.9), (0.3, 25.9))
+    verify_eff: float = 0.30
     #: per update (header, manifest, agreed outcome), per tensor (host walk), per bucket
-    fixed_s: float = 3.3e-3
-    tensor_s: float = 1.83e-6
-    colocated_fixed_s: float = 5.0e-3
+    fixed_s: float = 2.4e-3
+    tensor_s: float = 0.15e-6
+    colocated_fixed_s: float = 3.0e-3
     ring_bucket_s: float = 0.58e-3  # the colocated ring's per-bucket stream sync + handshake
-    group_s: float = 0.13e-3  # FSDP direct: a 256 MiB gather group's launch and wait
+    group_s: float = 0.05e-3  # FSDP direct: a 256 MiB gather group's launch and wait
     #: assumed, not measured: the share of PCIe a host-memory cache's copies reach
     pcie_eff: float = 0.80
     #: colocated: per tensor, the bulk checks only (no per-tensor walk on either side)
@@ -74,10 +90,6 @@ class Calibration:
 
 
 CALIBRATION = Calibration()
-
-#: the backends the simulator plays
-BACKENDS = ("nccl", "nixl", "sharded", "colocated", "colocated-ring", "shm")
-
 
 @dataclass
 class Prediction:
@@ -97,6 +109,11 @@ class Prediction:
     #: the busiest links: (link, GB, seconds at its rate), busiest first
     links: list[tuple[str, float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: what would move, per rank and per link: GB each sender sends (sender order), each
+    #: rollout GPU receives (replica by replica), and every link carries (one direction)
+    sent_gb: list[float] = field(default_factory=list)
+    received_gb: list[float] = field(default_factory=list)
+    link_gb: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -229,10 +246,16 @@ class _Links:
             self.load[("nic out", *c.nic_of(src))] += nbytes
             self.load[("nic in", *c.nic_of(dst))] += nbytes
 
+    def pcie(self, gpu: int, nbytes: float, way: str) -> None:
+        """``nbytes`` between GPU ``gpu`` and its host (``way``: "out" to the host, "in")."""
+        self.load[(f"pcie {way}", gpu)] += nbytes
+
     def rate(self, key: tuple) -> float:
         c, cal = self.c, self.cal
         if key[0].startswith("nvlink"):
             return c.nvlink_gbps * GB * cal.nvlink_eff
+        if key[0].startswith("pcie"):
+            return c.pcie_gbps * GB * cal.pcie_eff
         return c.nic_gbps * GB * cal.nic_eff
 
     def link_of(self, src: int, dst: int) -> tuple[float, float]:
@@ -246,28 +269,278 @@ class _Links:
         top = self.top(1)
         return (top[0][2], top[0][0]) if top else (0.0, "none")
 
-    def top(self, n: int) -> list[tuple[str, float, float]]:
-        """The ``n`` busiest links: (name, GB, seconds at its rate)."""
+    def top(self, n: int | None = None) -> list[tuple[str, float, float]]:
+        """The ``n`` busiest links (all of them: None): (name, GB, seconds at its rate)."""
         keys = sorted(self.load, key=lambda k: -self.load[k] / self.rate(k))[:n]
-        return [(f"{k[0]} of GPU {k[1]}" if len(k) == 2 else f"{k[0]} {k[2]} of node {k[1]}",
-                 self.load[k] / GB, self.load[k] / self.rate(k)) for k in keys]
+        return [(_link_name(k), self.load[k] / GB, self.load[k] / self.rate(k)) for k in keys]
 
     def most(self, kind: str) -> float:
         return max((v for k, v in self.load.items() if k[0].startswith(kind)), default=0.0) / GB
 
 
+def _link_name(k: tuple) -> str:
+    return f"{k[0]} of GPU {k[1]}" if len(k) == 2 else f"{k[0]} {k[2]} of node {k[1]}"
+
+
+# --- one update, as each backend schedules it -------------------------------------------------
+@dataclass
+class _Update:
+    """One simulated update: what every schedule reads (the cluster, the layout, the model
+    as it travels, the calibration) and what it fills in (the links' loads, the parts of the
+    time that do not overlap with them, the bytes per rank, the extra memory)."""
+
+    c: Cluster
+    lay: Layout
+    manifest: Manifest
+    sending: Manifest  # the manifest with Megatron homes, where the senders hold pieces
+    shards: Shards
+    cal: Calibration
+    bucket_size: int
+    scale: float  # the share of the dense bytes that moves (delta updates: below 1)
+    read_x: float  # trainer bytes read per wire byte (fp32 into bf16 buckets: 2)
+    small_x: float  # the multi-tensor copy's time, x the bulk copy's
+    num_buffers: int
+    topology_kind: str
+    links: _Links
+    parts: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)  # bytes each sender sends
+    received: list[float] = field(default_factory=list)  # bytes each rollout GPU receives
+    extra_gib: float = 0.0
+    buckets: int = 0
+    bound: str = ""  # what bounds a schedule that crosses no link
+
+    @property
+    def wire(self) -> int:
+        return self.manifest.nbytes
+
+    def small_share(self, below: int = 16 << 20) -> float:
+        """The share of the bytes in tensors under ``below`` bytes."""
+        return sum(m.nbytes for m in self.manifest.metas if m.nbytes < below) / max(1, self.wire)
+
+    def copy_s(self, nbytes: float, read_x: float = 1.0, small: float = 0.0) -> float:
+        """A cast-copy on one GPU of ``nbytes`` written (``read_x`` x as many read), a share
+        ``small`` of them in tensors under 16 MiB (the multi-tensor copy's rate)."""
+        t = nbytes * (1 + read_x) / (self.c.hbm_gbps * GB * self.cal.hbm_eff)
+        return t * (1 - small) + t * small * self.small_x
+
+    def pipeline(self, buckets: list[float]) -> None:
+        """A bucket pipeline's ends, which overlap with nothing: the first bucket's pack and
+        the last one's unpack (``buckets``: their bytes, in order)."""
+        if buckets:
+            self.parts["pack+unpack"] = self.copy_s(buckets[0], self.read_x) + self.copy_s(buckets[-1])
+
+
+_SCHEDULES: dict[str, Callable[[_Update, str], None]] = {}
+
+
+def _schedule(*names: str) -> Callable[[Callable[[_Update, str], None]], Callable[[_Update, str], None]]:
+    """Register a backend's schedule (a new backend adds a function here, no branch elsewhere)."""
+    def register(fn: Callable[[_Update, str], None]) -> Callable[[_Update, str], None]:
+        for name in names:
+            _SCHEDULES[name] = fn
+        return fn
+    return register
+
+
+@_schedule("nccl", "nixl")
+def _bucket_trees(u: _Update, backend: str) -> None:
+    """Every bucket to every rollout GPU, packed by the sender :class:`BucketPlan` names:
+    ``nccl`` as one broadcast ring per sender over every rollout GPU (node by node, NCCL's
+    order), ``nixl`` along the trees :func:`topology.choose` / ``layout`` give (chains are
+    trees of one child), each relay forwarding a bucket once it holds all of it."""
+    c, lay, links, cal = u.c, u.lay, u.links, u.cal
+    T, R = lay.n_senders, lay.rollouts
+    plan = BucketPlan(u.sending, u.bucket_size, T)
+    if lay.megatron:  # a packer gathers the TP pieces it lacks from its stage's TP peers
+        for b in plan.buckets:
+            split = sum(ch.nbytes for ch in b.chunks if tp_split(u.manifest[ch.index].name,
+                                                                u.manifest[ch.index].shape))
+            _gather(links, lay, b.owner, split)
+    u.buckets = len(plan)
+    u.sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * u.scale for s in range(T)]
+    rgpu = [lay.rollout_gpu(r) for r in range(R)]
+    if backend == "nccl":
+        order = sorted(rgpu, key=lambda g: (c.node_of(g), g))
+        for s in range(T):
+            chain = [lay.sender_gpu(s), *order]
+            for a, b in zip(chain, chain[1:], strict=False):
+                links.hop(a, b, u.sent[s])
+        # (NCCL pipelines a bucket in small chunks: the fill is a chunk and a latency a hop)
+        chain = [lay.sender_gpu(0), *order]
+        u.parts["fill"] = sum((4 << 20) / rate + lat for rate, lat in
+                              (links.link_of(a, b) for a, b in zip(chain, chain[1:], strict=False)))
+    else:
+        senders_gbps = c.nic_gbps if c.nodes > 1 else c.nvlink_gbps
+        fan = topology.choose(T, R, kind=u.topology_kind, sender_gbps=senders_gbps,
+                              receiver_gbps=senders_gbps)
+        depth = 1
+        for s in range(T):
+            heads, children = topology.layout(s, R, fan)
+            for h in heads:
+                links.hop(lay.sender_gpu(s), rgpu[h], u.sent[s])
+            for p, cs in children.items():
+                for ch in cs:
+                    links.hop(rgpu[p], rgpu[ch], u.sent[s])
+            depth = max(depth, _depth(heads, children))
+        rate, lat = links.link_of(rgpu[0], rgpu[-1])
+        u.parts["fill"] = (depth - 1) * (u.bucket_size * u.scale / rate + lat)
+        u.notes.append(f"nixl {fan.kind}: {fan.sender} head(s), {fan.relay} child(ren) per relay, "
+                       f"depth {depth}")
+    u.pipeline([b.wire_bytes * u.scale for b in plan.buckets])
+    u.parts["tensors"] = len(u.manifest) / T * cal.tensor_s
+    u.received = [u.wire * u.scale] * R
+    u.extra_gib = u.num_buffers * u.bucket_size / GiB
+
+
+@_schedule("mooncake")
+def _mooncake(u: _Update, backend: str) -> None:
+    """Each replica's leader reads every bucket from the sender :class:`BucketPlan` names,
+    out of the sender's registered host slots (staged over its PCIe), into its own host and
+    over its PCIe onto its GPU; the leader then broadcasts it to its replica's other GPUs
+    (a ring over NVLink inside a node). Each sender's link carries its share once per replica."""
+    lay, links = u.lay, u.links
+    T = lay.n_senders
+    plan = BucketPlan(u.sending, u.bucket_size, T)
+    u.buckets = len(plan)
+    u.sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * u.scale for s in range(T)]
+    for s in range(T):
+        links.pcie(lay.sender_gpu(s), u.sent[s], "out")
+    for rep in range(lay.replicas):
+        ranks = [lay.rollout_gpu(rep * lay.rollout_gpus + i) for i in range(lay.rollout_gpus)]
+        for s in range(T):
+            links.hop(lay.sender_gpu(s), ranks[0], u.sent[s])
+        links.pcie(ranks[0], u.wire * u.scale, "in")
+        for a, b in zip(ranks, ranks[1:], strict=False):
+            links.hop(a, b, u.wire * u.scale)
+    rate, lat = links.link_of(lay.sender_gpu(0), lay.rollout_gpu(0))
+    pcie = links.rate(("pcie",))
+    u.parts["fill"] = u.bucket_size * u.scale * (2 / pcie + 1 / rate) + lat  # (a bucket's staging)
+    u.pipeline([b.wire_bytes * u.scale for b in plan.buckets])
+    u.parts["tensors"] = len(u.manifest) / T * u.cal.tensor_s
+    u.received = [u.wire * u.scale] * lay.rollouts
+    u.extra_gib = u.num_buffers * u.bucket_size / GiB
+    u.notes.append(f"not calibrated (no GPU rows): host slots over PCIe at {u.cal.pcie_eff:.0%} of "
+                   f"nominal, assumed")
+
+
+@_schedule("sharded")
+def _sharded(u: _Update, backend: str) -> None:
+    """One sender per tensor (:meth:`ShardPlan._senders`); each rank of every replica gets
+    its regions (:meth:`ShardLayout.wants`) straight from that sender."""
+    lay, links, metas = u.lay, u.links, u.manifest.metas
+    T = lay.n_senders
+    senders = ShardPlan._senders(u.sending, [m.nbytes for m in metas], T)
+    pair: dict[tuple[int, int], float] = defaultdict(float)
+    for r, wanted in enumerate(u.shards.wants):
+        for i, b in wanted:
+            pair[(senders[i], r)] += b.numel * metas[i].itemsize * u.scale
+    u.sent = [0.0] * T
+    for rep in range(lay.replicas):
+        for (s, r), nbytes in pair.items():
+            links.hop(lay.sender_gpu(s), lay.rollout_gpu(rep * lay.rollout_gpus + r), nbytes)
+            u.sent[s] += nbytes
+    u.buckets = sum(math.ceil(v / u.bucket_size) for v in pair.values()) * lay.replicas
+    if lay.megatron:  # (each tensor gathered once, on its sender)
+        split: dict[int, float] = defaultdict(float)
+        for i, m in enumerate(metas):
+            if tp_split(m.name, m.shape):
+                split[senders[i]] += m.nbytes
+        for sender, nbytes in split.items():
+            _gather(links, lay, sender, nbytes)
+    first = min(u.bucket_size, max(pair.values()))
+    u.pipeline([first, first])
+    u.parts["tensors"] = len(u.manifest) / T * u.cal.tensor_s * 2  # (a tensor's boxes per rank)
+    u.received = [u.shards.bytes[r % lay.rollout_gpus] * u.scale for r in range(lay.rollouts)]
+    u.extra_gib = u.num_buffers * u.bucket_size / GiB
+    if any(m.name.endswith("_scale_inv") for m in metas):
+        u.notes.append("fp8 scales go whole to every rank of a replica")
+
+
+@_schedule("shm")
+def _shm(u: _Update, backend: str) -> None:
+    """The newest version kept in the node's host memory (``keep`` of them): trainer rank 0
+    writes it once over its PCIe link, every rollout GPU reads its shard over its own."""
+    c, lay, cal = u.c, u.lay, u.cal
+    nodes = {c.node_of(lay.rollout_gpu(r)) for r in range(lay.rollouts)}
+    if nodes != {c.node_of(lay.sender_gpu(0))}:
+        raise PlanError("shm keeps versions in one host's memory: the rollouts must sit on the node of "
+                        "trainer rank 0 (its publisher); across nodes use disk on a shared file system "
+                        "or a relay")
+    keep = 2
+    if keep * u.wire / GiB > c.host_mem_gib:
+        raise PlanError(f"shm keeps {keep} versions of {u.wire / GiB:.0f} GiB in host memory; a node has "
+                        f"{c.host_mem_gib:g} GiB")
+    u.sent = [u.wire * u.scale] + [0.0] * (lay.n_senders - 1)
+    u.received = [u.shards.bytes[r % lay.rollout_gpus] * u.scale for r in range(lay.rollouts)]
+    u.links.pcie(lay.sender_gpu(0), u.sent[0], "out")
+    for r, nbytes in enumerate(u.received):
+        u.links.pcie(lay.rollout_gpu(r), nbytes, "in")
+    # (publish, then read: the readers take a version once it is whole)
+    u.parts["publish"] = u.sent[0] / u.links.rate(("pcie",))
+    u.parts["tensors"] = len(u.manifest) * cal.tensor_s
+    u.bound = "PCIe: trainer rank 0 publishes, then each GPU reads"
+    u.notes.append(f"host memory: {keep * u.wire / GiB:.0f} of {c.host_mem_gib:g} GiB; not calibrated "
+                   f"(PCIe at {cal.pcie_eff:.0%} of nominal, assumed)")
+
+
+@_schedule("colocated", "colocated-ring")
+def _colocated(u: _Update, backend: str) -> None:
+    """Each rollout rank's bytes copied on its own GPU from its trainer's: ``colocated``
+    straight into the rollout's tensors, ``colocated-ring`` packed into a slot and unpacked
+    from it, with a handshake per bucket. FSDP trainers gather the shards they lack first:
+    the direct path in 256 MiB groups (casts, then the gathers, then the small tensors'
+    rows copied out of one flat buffer), the ring a gather per tensor."""
+    c, lay, cal = u.c, u.lay, u.cal
+    u.received = [u.shards.bytes[r % lay.rollout_gpus] * u.scale for r in range(lay.rollouts)]
+    u.sent = [u.wire * u.scale / lay.n_senders] * lay.n_senders
+    mine = max(u.received)
+    small = u.small_share()
+    u.parts["tensors"] = len(u.manifest) * cal.colocated_tensor_s
+    u.parts["fixed"] = cal.colocated_fixed_s
+    u.bound = "HBM copy"
+    T = lay.trainers
+    ring = backend == "colocated-ring"
+    if T > 1:
+        got = u.wire * u.scale * (T - 1) / T
+        rate = (c.nvlink_gbps * cal.allgather_eff if c.nodes == 1 else c.nic_gbps * cal.nic_eff) * GB
+        u.parts["cast"] = u.copy_s(mine / T, u.read_x)
+        if ring:  # one gather per tensor into a new tensor
+            u.parts["all-gather"] = gather_each_s(u.manifest, T, rate, cal)
+        else:  # 256 MiB groups; tensors under 64 MiB gathered flat and copied out of the buffer
+            u.parts["all-gather"] = got / rate + math.ceil(mine / (256 << 20)) * cal.group_s
+            u.parts["scatter"] = u.copy_s(mine * u.small_share(64 << 20), 1.0, 1.0)
+        u.bound = "the all-gather over NVLink" if c.nodes == 1 else "the all-gather over NICs"
+        if lay.rollout_gpus > 1:
+            u.notes.append(f"every GPU gathers whole tensors ({got / GB:.1f} GB) and keeps 1/"
+                           f"{lay.rollout_gpus} of them: the gather, not the copy, bounds it")
+        read_x = 1.0  # (what is copied on is the gathered wire-dtype tensor)
+    else:
+        read_x = u.read_x
+    if not ring:
+        u.parts["copy"] = 0.0 if T > 1 else u.copy_s(mine, read_x, small)  # (gathered in place)
+        return
+    u.buckets = math.ceil(mine / u.bucket_size)
+    u.parts["copy"] = u.copy_s(mine, read_x, small) + u.copy_s(mine, 1.0, small)
+    # each bucket's stream sync and handshake stalls the GPU; under FSDP it stalls every
+    # rank's next gather too, so the ranks' stalls add up
+    u.parts["buckets"] = u.buckets * cal.ring_bucket_s * T
+    u.extra_gib = u.num_buffers * u.bucket_size / GiB
+
+
 # --- the simulator --------------------------------------------------------------------------
 def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucket_size: int = GiB,
              trainer_dtype: torch.dtype = torch.bfloat16, delta: float | None = None,
-             fp8: bool = False, num_buffers: int = 2, topology_kind: str = "auto",
+             verify_every: int = 1, fp8: bool = False, num_buffers: int = 2, topology_kind: str = "auto",
              cal: Calibration = CALIBRATION, shards: Shards | None = None) -> Prediction:
     """One update of ``manifest`` (as it travels: :func:`manifest_of`) by ``backend`` on
     cluster ``c`` laid out as ``lay``. ``trainer_dtype``: what the trainer holds (fp32 is
     cast into the buckets); ``delta``: the fraction of the elements that changed since the
     last update (a delta update then carries each sender's records, sized by the delta
-    engine's own encoding rule, :func:`weightbus.engines.delta.record_bytes`);
+    engine's own encoding rule, :func:`weightbus.engines.delta.record_bytes`), with the
+    receivers' whole-destination check every ``verify_every`` updates (0: never);
     ``fp8``: the manifest carries fp8 payloads the trainer quantizes first."""
-    if backend not in BACKENDS:
+    if backend not in _SCHEDULES:
         raise PlanError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend.startswith("colocated") and not lay.colocated:
         raise PlanError(f"{backend} needs the rollouts on the trainers' GPUs (Layout(colocated=True))")
@@ -275,161 +548,71 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         raise PlanError(f"a colocated layout is synced by colocated or colocated-ring, not {backend}")
     if delta is not None and not 0 < delta <= 1:
         raise PlanError(f"delta must be a fraction of the elements in (0, 1], got {delta}")
+    if delta is not None and backend not in _DELTA:
+        raise PlanError(f"delta updates run on the bucket engines ({', '.join(_DELTA)}), not {backend}"
+                        + (" (delta and sharded receive do not combine in the engines yet)"
+                           if backend == "sharded" else ""))
+    if verify_every < 0:
+        raise PlanError(f"verify_every must be >= 0 (0: never), got {verify_every}")
     lay.check(c)
-    T, R = lay.n_senders, lay.rollouts
-    wire = manifest.nbytes
-    scale = delta_share(manifest, delta, T) if delta is not None else 1.0
-    links = _Links(c, cal)
-    parts: dict[str, float] = {}
-    notes: list[str] = []
-    bound = ""  # (what bounds a schedule that crosses no link)
     if shards is None or shards.manifest is not manifest or shards.gpus != lay.rollout_gpus:
         shards = Shards(manifest, lay.rollout_gpus)
-    want = shards.bytes
-    small_x = cal.small_copy_x[0 if trainer_dtype.itemsize <= 2 else 1]
-
-    def copy_s(nbytes: float, read_x: float = 1.0, small: float = 0.0) -> float:
-        """A bulk cast-copy of ``nbytes`` written (``read_x`` x as many read), a share
-        ``small`` of them in tensors under 16 MiB (the multi-tensor copy's rate)."""
-        t = nbytes * (1 + read_x) / (c.hbm_gbps * GB * cal.hbm_eff)
-        return t * (1 - small) + t * small * small_x
-
-    small_share = sum(m.nbytes for m in manifest.metas if m.nbytes < 16 << 20) / max(1, wire)
-    read_x = trainer_dtype.itemsize / 2 if not fp8 else 2.0  # (trainer bytes read per wire byte)
-    buckets = 0
-
-    sending = megatron_homes(manifest, lay) if lay.megatron and not lay.colocated else manifest
-    if backend in ("nccl", "nixl"):
-        plan = BucketPlan(sending, bucket_size, T)
-        if lay.megatron:  # a packer gathers the TP pieces it lacks from its stage's TP peers
-            for b in plan.buckets:
-                split = sum(ch.nbytes for ch in b.chunks if tp_split(manifest[ch.index].name,
-                                                                    manifest[ch.index].shape))
-                _gather(links, lay, b.owner, split)
-        buckets = len(plan)
-        sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * scale for s in range(T)]
-        rgpu = [lay.rollout_gpu(r) for r in range(R)]
-        if backend == "nccl":
-            # one ring per sender over every rollout GPU, node by node (NCCL's order)
-            order = sorted(rgpu, key=lambda g: (c.node_of(g), g))
-            for s in range(T):
-                chain = [lay.sender_gpu(s), *order]
-                for a, b in zip(chain, chain[1:], strict=False):
-                    links.hop(a, b, sent[s])
-            # (NCCL pipelines a bucket in small chunks: the fill is a chunk and a latency a hop)
-            chain = [lay.sender_gpu(0), *order]
-            parts["fill"] = sum((4 << 20) / rate + lat for rate, lat in
-                                (links.link_of(a, b) for a, b in zip(chain, chain[1:], strict=False)))
-        else:
-            senders_gbps = c.nic_gbps if c.nodes > 1 else c.nvlink_gbps
-            fan = topology.choose(T, R, kind=topology_kind, sender_gbps=senders_gbps,
-                                  receiver_gbps=senders_gbps)
-            depth = 1
-            for s in range(T):
-                heads, children = topology.layout(s, R, fan)
-                for h in heads:
-                    links.hop(lay.sender_gpu(s), rgpu[h], sent[s])
-                for p, cs in children.items():
-                    for ch in cs:
-                        links.hop(rgpu[p], rgpu[ch], sent[s])
-                depth = max(depth, _depth(heads, children))
-            # (a relay forwards a bucket once it has all of it)
-            rate, lat = links.link_of(rgpu[0], rgpu[-1])
-            parts["fill"] = (depth - 1) * (bucket_size * scale / rate + lat)
-            notes.append(f"nixl {fan.kind}: {fan.sender} head(s), {fan.relay} child(ren) per relay, "
-                         f"depth {depth}")
-        parts["pack+unpack"] = 2 * copy_s(min(bucket_size, wire) * scale, read_x)
-        parts["tensors"] = len(manifest) / T * cal.tensor_s
-        received = [wire * scale] * R
-        extra = num_buffers * bucket_size / GiB
-    elif backend == "sharded":
-        # one sender per tensor (ShardPlan's choice); each rank of every replica gets its
-        # regions straight from that sender
-        senders = ShardPlan._senders(sending, [m.nbytes for m in manifest.metas], T)
-        pair: dict[tuple[int, int], float] = defaultdict(float)
-        metas = manifest.metas
-        for r, wanted in enumerate(shards.wants):
-            for i, b in wanted:
-                pair[(senders[i], r)] += b.numel * metas[i].itemsize * scale
-        for rep in range(lay.replicas):
-            for (s, r), nbytes in pair.items():
-                links.hop(lay.sender_gpu(s), lay.rollout_gpu(rep * lay.rollout_gpus + r), nbytes)
-        buckets = sum(math.ceil(v / bucket_size) for v in pair.values()) * lay.replicas
-        if lay.megatron:  # (each tensor gathered once, on its sender)
-            split: dict[int, float] = defaultdict(float)
-            for i, m in enumerate(manifest.metas):
-                if tp_split(m.name, m.shape):
-                    split[senders[i]] += m.nbytes
-            for sender, nbytes in split.items():
-                _gather(links, lay, sender, nbytes)
-        parts["pack+unpack"] = 2 * copy_s(min(bucket_size, max(pair.values())), read_x)
-        parts["tensors"] = len(manifest) / T * cal.tensor_s * 2  # (a tensor's boxes per rank)
-        received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
-        extra = num_buffers * bucket_size / GiB
-        if any(m.name.endswith("_scale_inv") for m in manifest.metas):
-            notes.append("fp8 scales go whole to every rank of a replica")
-    elif backend == "shm":
-        # the newest version kept in each node's host memory (`keep` of them): trainer rank 0
-        # writes it once over its PCIe link, every rollout GPU reads its shard over its own
-        nodes = {c.node_of(lay.rollout_gpu(r)) for r in range(R)}
-        if nodes != {c.node_of(lay.sender_gpu(0))}:
-            raise PlanError("shm keeps versions in one host's memory: the rollouts must sit on the node of "
-                            "trainer rank 0 (its publisher); across nodes use disk on a shared file system "
-                            "or a relay")
-        keep = 2
-        if keep * wire / GiB > c.host_mem_gib:
-            raise PlanError(f"shm keeps {keep} versions of {wire / GiB:.0f} GiB in host memory; a node has "
-                            f"{c.host_mem_gib:g} GiB")
-        pcie = c.pcie_gbps * GB * cal.pcie_eff
-        parts["publish"] = wire * scale / pcie
-        received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
-        parts["read"] = max(received) / pcie  # (each GPU over its own link, at once)
-        parts["tensors"] = len(manifest) * cal.tensor_s
-        buckets, extra = 0, 0.0
-        bound = "PCIe: trainer rank 0 publishes, then each GPU reads"
-        notes.append(f"host memory: {keep * wire / GiB:.0f} of {c.host_mem_gib:g} GiB; not calibrated "
-                     f"(PCIe at {cal.pcie_eff:.0%} of nominal, assumed)")
-    else:  # colocated: each rollout rank's bytes copied on its own GPU from its trainer's
-        received = [want[r % lay.rollout_gpus] * scale for r in range(R)]
-        mine = max(received)
-        parts["tensors"] = len(manifest) * cal.colocated_tensor_s
-        parts["fixed"] = cal.colocated_fixed_s
-        bound = "HBM copy"
-        if lay.trainers > 1:  # FSDP: each GPU gathers the shards it lacks of whole tensors
-            got = wire * scale * (lay.trainers - 1) / lay.trainers
-            rate = c.nvlink_gbps * cal.allgather_eff if c.nodes == 1 else c.nic_gbps * cal.nic_eff
-            parts["all-gather"] = got / (rate * GB) + math.ceil(mine / (256 << 20)) * cal.group_s
-            parts["cast"] = copy_s(mine / lay.trainers, read_x)
-            direct = 0.0  # (gathered straight into the rollout's tensors)
-            bound = "the all-gather over NVLink" if c.nodes == 1 else "the all-gather over NICs"
-            if lay.rollout_gpus > 1:
-                notes.append(f"every GPU gathers whole tensors ({got / GB:.1f} GB) and keeps 1/"
-                             f"{lay.rollout_gpus} of them: the gather, not the copy, bounds it")
-        else:
-            direct = copy_s(mine, read_x, small_share)
-        if backend == "colocated":  # direct: written straight into the rollout's tensors
-            parts["copy"] = direct
-            extra = 0.0
-        else:  # the ring: packed into a slot, unpacked from it, a handshake per bucket
-            buckets = math.ceil(mine / bucket_size)
-            parts["copy"] = copy_s(mine, read_x, small_share) + copy_s(mine, 1.0, small_share)
-            parts["buckets"] = buckets * cal.ring_bucket_s
-            extra = num_buffers * bucket_size / GiB
-    link_s, where = links.busiest()
-    parts["links"] = link_s
+    u = _Update(c, lay, manifest, megatron_homes(manifest, lay) if lay.megatron and not lay.colocated
+                else manifest, shards, cal, bucket_size,
+                scale=delta_share(manifest, delta, lay.n_senders) if delta is not None else 1.0,
+                read_x=trainer_dtype.itemsize / 2 if not fp8 else 2.0,
+                small_x=cal.small_copy_x[0 if trainer_dtype.itemsize <= 2 else 1],
+                num_buffers=num_buffers, topology_kind=topology_kind, links=_Links(c, cal))
+    _SCHEDULES[backend](u, backend)
+    parts = u.parts
+    link_s, where = u.links.busiest()
+    # (a bucket pipeline's packs share HBM and SMs with the transfer; NVLink feels it, a NIC not)
+    parts["links"] = link_s * (cal.overlap_x if u.buckets and where.startswith("nvlink") else 1.0)
     parts.setdefault("fixed", cal.fixed_s)
+    hbm = c.hbm_gbps * GB
     if fp8:  # the trainer quantizes its share first (bf16 read, e4m3 + scales written)
-        parts["quantize"] = quantize_s(manifest, c, cal) / T
-        extra += sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1) / T / GiB  # (kept)
-    if delta is not None:  # the diff against the last sent: read both, write the snapshot
-        mine = manifest.nbytes / T
-        parts["diff"] = mine * 3 / (c.hbm_gbps * GB * cal.diff_eff)
-        extra += mine / GiB  # (the snapshot of what was sent)
-    seconds = sum(parts.values())
-    floor = floor_s(c, lay, want, cal)
-    return Prediction(backend, seconds, floor, where if link_s else bound, links.most("nic"),
-                      links.most("nvlink"), max(received) / GB, extra, buckets, bucket_size, parts,
-                      links.top(8), notes)
+        parts["quantize"] = quantize_s(manifest, c, cal) / lay.n_senders
+        u.extra_gib += sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1) / lay.n_senders / GiB
+    if delta is not None:
+        mine = manifest.nbytes / lay.n_senders
+        # the trainer's diff against what it sent last (read both, write the snapshot), and
+        # the receiver's patches; the whole-destination check reads every byte it holds
+        parts["diff"] = mine * 3 / (hbm * cal.diff_eff)
+        parts["apply"] = max(u.received) / u.scale / hbm * _apply_x(delta, cal)
+        if verify_every:
+            parts["verify"] = max(u.received) / u.scale / (hbm * cal.verify_eff) / verify_every
+        u.extra_gib += mine / GiB  # (the snapshot of what was sent)
+        u.notes.append("delta: the floor is the dense update's (a delta update moves less)")
+    floor = floor_s(c, lay, shards.bytes, cal)
+    return Prediction(backend, sum(parts.values()), floor, where if link_s else u.bound,
+                      u.links.most("nic"), u.links.most("nvlink"), max(u.received) / GB, u.extra_gib,
+                      u.buckets, bucket_size, parts, u.links.top(8), u.notes,
+                      sent_gb=[b / GB for b in u.sent], received_gb=[b / GB for b in u.received],
+                      link_gb={name: gb for name, gb, _ in u.links.top()})
+
+
+def gather_each_s(manifest: Manifest, ranks: int, rate: float, cal: Calibration = CALIBRATION) -> float:
+    """Every tensor of ``manifest`` all-gathered on its own among ``ranks`` FSDP ranks (each
+    receiving the others' shards at ``rate`` bytes/s), each call taking at least
+    :attr:`Calibration.gather_call_s`: a model of many small tensors pays per call."""
+    return sum(max(m.nbytes * (ranks - 1) / ranks / rate, cal.gather_call_s) for m in manifest.metas)
+
+
+#: the backends the simulator plays, and those that send delta updates
+BACKENDS = tuple(_SCHEDULES)
+_DELTA = ("nccl", "nixl", "mooncake")
+
+
+def _apply_x(changed: float, cal: Calibration) -> float:
+    """The receiver's apply, in units of one bulk read of the dense bytes, at ``changed``:
+    interpolated in the delta kernels' measured table (:attr:`Calibration.apply_x`)."""
+    pts = cal.apply_x
+    if changed <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if changed <= x1:
+            return y0 + (y1 - y0) * (changed - x0) / (x1 - x0)
+    return pts[-1][1]
 
 
 def delta_share(manifest: Manifest, changed: float, senders: int) -> float:
@@ -500,10 +683,15 @@ def floor_s(c: Cluster, lay: Layout, want: list[int], cal: Calibration = CALIBRA
 def plan(c: Cluster, lay: Layout, manifest: Manifest, *, bucket_sizes: Sequence[int] = (256 << 20, GiB),
          **kw) -> list[Prediction]:
     """Every backend that fits the layout, each at its best bucket size, fastest first."""
-    names = ("colocated", "colocated-ring") if lay.colocated else ("nccl", "nixl", "sharded")
+    names = ("colocated", "colocated-ring") if lay.colocated else ("nccl", "nixl", "mooncake", "sharded")
     one_node = {c.node_of(lay.rollout_gpu(r)) for r in range(lay.rollouts)} == {c.node_of(lay.sender_gpu(0))}
     if one_node and not lay.colocated:
         names = (*names, "shm")
+    if kw.get("delta") is not None:
+        names = tuple(n for n in names if n in _DELTA)
+        if not names:
+            raise PlanError("delta updates run on the bucket engines (nccl, nixl, mooncake), not on a "
+                            "colocated layout")
     shards = Shards(manifest, lay.rollout_gpus)
     best: list[Prediction] = []
     for name in names:
