@@ -217,3 +217,72 @@ def test_publishing_never_disturbs_a_reader(port):
     asyncio.run(ModuleSink(target).load(newest))
     assert newest.version == 8 and workers_cache.digests(target) == published[8]
     owner.finalize(destroy_group=True)
+
+
+def _dead_publisher(backend: str, where: str, job: str | None = None) -> dict:
+    """A publisher that published version 1 and was killed publishing version 2 (an earlier
+    job, or this job's trainer before it restarts); returns version 1's digests."""
+    ctx = mp.get_context("spawn")
+    out, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=workers_cache.interrupted_publisher,
+                    args=(backend, where, "die", ready, go, out, job))
+    p.start()
+    first = out.get(timeout=60)
+    go.set()
+    p.join(60)
+    assert p.exitcode == -9
+    return first
+
+
+@pytest.mark.parametrize("backend", ["shm", "disk"])
+def test_an_earlier_jobs_versions_are_never_read(backend, tmp_path, port):
+    """A job that died left version 1 in the cache under the same name. A fresh job's
+    reader, told its trainer's job through build_topology, does not take it even before the
+    new trainer connects (it would read the wrong policy, then wait for a version above
+    it); once the trainer connects the cache is the new job's, and its version 1 is read
+    bitwise."""
+    where = _where(backend, tmp_path, port)
+    old = _dead_publisher(backend, where)
+    opts = {"path": where} if backend == "disk" else {"cache_name": where}
+    trainer = CheckpointEngineRegistry.new(backend, role="trainer", timeout=30, **opts)
+    reader = CheckpointEngineRegistry.new(backend, role="rollout", timeout=30, **opts)
+    anyone = workers_cache.cache("rollout", backend, where)  # (no job: reads any version)
+    metadata = [trainer.prepare(), reader.prepare()]
+    ranks, readers = type(trainer).build_topology(1, 1, metadata)
+    reader.init_process_group(**{k: v[0] for k, v in readers.items()})
+    assert reader.job == metadata[0]["job"]
+    assert reader.get_weights().version is None  # the dead job's version 1 is not this job's
+    assert anyone.get_weights().version == 1
+    trainer.init_process_group(**{k: v[0] for k, v in ranks.items()})  # takes the cache
+    model = Mixed()
+    model.step(7)
+    asyncio.run(trainer.send_weights(ModuleSource(model), version=1))
+    stream = reader.get_weights()
+    assert stream.version == 1
+    got = Mixed()
+    asyncio.run(ModuleSink(got).load(stream))
+    assert workers_cache.digests(got) == workers_cache.digests(model) != old
+    trainer.finalize(destroy_group=True)
+
+
+def test_a_restarted_publisher_of_the_same_job_keeps_its_versions_readable(tmp_path, port):
+    """A trainer named by ``job=`` dies; its readers keep reading its last version, and
+    when it comes back under the same job the version stays until it publishes the next."""
+    where = str(tmp_path / "cache")
+    first = _dead_publisher("disk", where, job="run-7")
+    reader = workers_cache.cache("rollout", "disk", where, job="run-7")
+    stranger = workers_cache.cache("rollout", "disk", where, job="run-8")
+    assert stranger.get_weights().version is None
+    back = workers_cache.cache("trainer", "disk", where, job="run-7")
+    stream = reader.get_weights()
+    assert stream.version == 1
+    model = Mixed()
+    asyncio.run(ModuleSink(model).load(stream))
+    assert workers_cache.digests(model) == first
+    model.step(2)
+    asyncio.run(back.send_weights(ModuleSource(model), version=2))
+    assert reader.get_weights(newer_than=1).version == 2
+    for bad in ("", 7, "two\nlines"):
+        with pytest.raises(WeightbusError, match="job must be a non-empty printable string"):
+            workers_cache.cache("rollout", "disk", where, job=bad)
+    back.finalize(destroy_group=True)

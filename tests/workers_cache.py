@@ -77,11 +77,11 @@ class _Slow:
             yield item
 
 
-def interrupted_publisher(backend: str, where: str, action: str, ready, go, out) -> None:
+def interrupted_publisher(backend: str, where: str, action: str, ready, go, out, job=None) -> None:
     """Publishes version 1, then version 2 with a source that stops midway: dies there
-    (``die``) or pauses 3 s (``pause``) and completes."""
+    (``die``) or pauses 3 s (``pause``) and completes. ``job``: the publisher's job name."""
     torch.set_num_threads(1)
-    engine = cache("trainer", backend, where)
+    engine = cache("trainer", backend, where, **({"job": job} if job else {}))
     model = Mixed()
     model.step(1)
     asyncio.run(engine.send_weights(ModuleSource(model), version=1))

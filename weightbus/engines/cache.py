@@ -30,6 +30,16 @@ the version and what is wrong; the reader moves it out of sight (``.v-broken-*``
 at the next publish) or, where it cannot, skips it from then on, so the next pull gets the
 newest intact version.
 
+A cache outlives its jobs' processes, so a version there may be an earlier job's. Every
+version is stamped with its publisher's job (``job=``, or a token of the publisher's own),
+and so is the directory's owner mark. A reader that knows its job (given ``job=``, or told
+its trainer's through ``build_topology``, as the manager and verl's workers do) reads only
+that job's versions: a fresh job's replicas never take a dead job's newest version, which
+also would have left them waiting for a version above it. Trainer rank 0 takes the cache
+when it connects: the shm directories of dead owners go at once, and a disk cache left by a
+dead publisher of another job is emptied of its versions (a publisher restarted under the
+same ``job=`` keeps them readable). A reader without a job reads any version.
+
 The files are plain safetensors (any tool reads them; the metadata carries the version
 and the order the publisher sent the tensors in). We lay out the format ourselves: the
 ``safetensors`` library writes only from tensors in memory, and reads by copying, where a
@@ -52,6 +62,7 @@ import re
 import resource
 import secrets
 import shutil
+import socket
 import time
 import weakref
 from collections.abc import Iterator
@@ -106,6 +117,31 @@ def _versions(root: str) -> list[int]:
     return sorted(out)
 
 
+def _read_owner(root: str) -> dict[str, Any] | None:
+    """The directory's owner mark: ``{"pid", "host", "job"}`` (a bare pid from before jobs
+    were stamped reads as ``{"pid"}``); None when there is none or it is unreadable."""
+    try:
+        with open(os.path.join(root, _OWNER)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    try:
+        mark = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(mark, int):
+        mark = {"pid": mark}
+    return mark if isinstance(mark, dict) and isinstance(mark.get("pid"), int) else None
+
+
+def _gone(mark: dict[str, Any]) -> bool:
+    """Whether the owner a mark names is a process of this host that is gone (one on another
+    host, sharing a file system, cannot be told: it is taken to live)."""
+    pid = mark["pid"]
+    return mark.get("host", socket.gethostname()) == socket.gethostname() and pid > 0 \
+        and not buffers._alive(pid)
+
+
 def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
     """Remove cache directories under ``base`` whose owner process is gone; returns them."""
     swept = []
@@ -115,12 +151,8 @@ def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
         return swept
     for n in names:
         path = os.path.join(base, n)
-        try:
-            with open(os.path.join(path, _OWNER)) as f:
-                pid = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            continue
-        if pid and not buffers._alive(pid):
+        mark = _read_owner(path)
+        if mark is not None and _gone(mark):
             shutil.rmtree(path, ignore_errors=True)
             swept.append(path)
     return swept
@@ -129,7 +161,7 @@ def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
 class _Layout:
     """Where each tensor of a manifest goes in a version's file, and the file's size."""
 
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, job: str):
         metas = list(manifest)
         layout = sorted(range(len(metas)), key=lambda i: -metas[i].itemsize)  # aligned, no gaps
         offsets: dict[int, tuple[int, int]] = {}
@@ -142,7 +174,8 @@ class _Layout:
                 raise PlanError(f"tensor {m.name!r}: dtype {m.dtype} has no safetensors name")
         header = {m.name: {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
                            "data_offsets": list(offsets[i])} for i, m in enumerate(metas)}
-        header["__metadata__"] = {"format": "pt", "weightbus_order": json.dumps([m.name for m in metas])}
+        header["__metadata__"] = {"format": "pt", "weightbus_order": json.dumps([m.name for m in metas]),
+                                  "weightbus_job": job}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
         self.metas, self.offsets, self.raw = metas, offsets, raw
@@ -284,11 +317,13 @@ class CorruptVersion(WeightSyncError):
         self.path, self.what = path, what
 
 
-def read_version(path: str, fd: int | None = None) -> list[tuple[str, torch.Tensor]]:
+def read_version(path: str, fd: int | None = None, *, metadata: dict[str, str] | None = None
+                 ) -> list[tuple[str, torch.Tensor]]:
     """A complete version file, mapped: ``[(name, view)]`` in the publisher's order (from
     ``fd`` where the caller holds it open, locked). A file that is not a whole version
     raises :class:`CorruptVersion`; the checks are per file, and per tensor only what the
-    views cost anyway (a bad entry is explained once it failed)."""
+    views cost anyway (a bad entry is explained once it failed). ``metadata``, if given, is
+    filled with the file's ``__metadata__`` (``weightbus_job``: the job that published it)."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY)
@@ -309,6 +344,8 @@ def read_version(path: str, fd: int | None = None) -> list[tuple[str, torch.Tens
         header = json.loads(bytes(m[8:8 + n]))
         meta = header.pop("__metadata__", {})
         order = json.loads(meta.get("weightbus_order", "null")) or list(header)
+        if metadata is not None:
+            metadata.update(meta)
         ok = len(order) == len(header) and set(order) == header.keys()
     except (ValueError, TypeError, AttributeError) as e:  # (UnicodeDecodeError is a ValueError)
         raise CorruptVersion(path, f"its {n}-byte header is not a safetensors header ({e})") from None
@@ -361,6 +398,10 @@ class CacheEngine(CheckpointEngineWithCache):
             ``/dev/shm/wbcache_<cache_name>``).
         cache_name: the cache's name on the host (``shm``).
         keep: how many complete versions stay visible (the newest ones; at least 1).
+        job: the job's name. A publisher stamps its versions with it (without one, with a
+            token of its own); a reader reads only that job's versions (without one, the
+            job ``build_topology`` tells it, else any version). Give it to a publisher that
+            may restart, so its readers keep reading its last version meanwhile.
 
     The trainer side's ``send_weights`` publishes (trainer rank 0 writes; every trainer
     rank iterates the source, so sharded sources gather to rank 0) and returns: it never
@@ -370,7 +411,7 @@ class CacheEngine(CheckpointEngineWithCache):
     """
 
     def __init__(self, bucket_size: int | None = None, *, path: str | os.PathLike | None = None,
-                 cache_name: str = "default", keep: int = 2, **kwargs: Any):
+                 cache_name: str = "default", keep: int = 2, job: str | None = None, **kwargs: Any):
         kwargs.setdefault("device", "cpu")  # host memory or disk, also on a GPU machine
         super().__init__(bucket_size, **kwargs)
         if self.device.type != "cpu":
@@ -380,6 +421,11 @@ class CacheEngine(CheckpointEngineWithCache):
         if not isinstance(cache_name, str) or not cache_name or "/" in cache_name:
             raise PlanError(f"cache_name must be a non-empty string without '/', got {cache_name!r}")
         self.cache_name = cache_name
+        if job is not None and (not isinstance(job, str) or not job or not job.isprintable()):
+            raise PlanError(f"job must be a non-empty printable string, got {job!r}")
+        self.job = job  # (a reader: the job whose versions it reads; None: any, or as told)
+        self._stamp = job or f"token-{secrets.token_hex(8)}"  # what this publisher stamps
+        self._skipped: set[tuple[int, int, int, int]] = set()  # other jobs' files, said once
         self._path = None if path is None else os.fspath(path)
         self.rank = 0
         self._ready = False
@@ -398,18 +444,27 @@ class CacheEngine(CheckpointEngineWithCache):
     # --- lifecycle (no group: publisher and readers meet in the directory) ------------------
     def prepare(self) -> dict[str, Any]:
         _ = self.root  # a missing path fails here
-        return {"cache": self.root}
+        return {"cache": self.root, "job": self._stamp}
 
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Ranks only (publisher and readers meet in the directory); every reader is told
+        the job trainer rank 0 (the publisher) stamps its versions with."""
         check_sides(trainer_world_size, rollout_world_size, metadata)
+        R = rollout_world_size
         return ({"rank": list(range(trainer_world_size))},
-                {"rank": list(range(trainer_world_size, trainer_world_size + rollout_world_size))})
+                {"rank": list(range(trainer_world_size, trainer_world_size + R)),
+                 "job": [metadata[0].get("job")] * R})
 
-    def init_process_group(self, *, rank: int = 0, **_: Any) -> None:
+    def init_process_group(self, *, rank: int = 0, job: str | None = None, **_: Any) -> None:
+        """``job``: the publisher's (from ``build_topology``), taken by a reader not given one."""
         self.rank = rank
+        if self.job is None and job is not None and self.role != "trainer":
+            self.job = job
         self._ready = True
+        if self.role == "trainer" and rank == 0:
+            self._own()  # the cache is this job's from now on, before any reader looks
 
     def connect(self, role: str, rank: int = 0) -> CacheEngine:
         """Without a group: this process publishes (``trainer``) or reads (``rollout``)."""
@@ -443,11 +498,20 @@ class CacheEngine(CheckpointEngineWithCache):
         root = self.root
         if self.backend == "shm":
             sweep_stale_caches(os.path.dirname(root))
+        before = _read_owner(root)
+        if before is not None and before["pid"] != os.getpid() and before.get("job") != self._stamp \
+                and _gone(before):
+            # (a dead publisher of another job: its versions are no version of this job)
+            for v in _versions(root):
+                with contextlib.suppress(OSError):
+                    os.unlink(_final(root, v))
+            _log.info("%s: took %s from a publisher that is gone (pid %s, job %r): its versions removed",
+                      self.where(), root, before["pid"], before.get("job"))
         try:
             self._made_root = self._made_root or not os.path.isdir(root)
             os.makedirs(root, exist_ok=True)
             with open(os.path.join(root, _OWNER), "w") as f:
-                f.write(str(os.getpid()))
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": self._stamp}, f)
         except OSError as e:
             raise self._cannot_write("take the cache", os.path.join(root, _OWNER), 16, e) from e
         for n in os.listdir(root):
@@ -534,7 +598,7 @@ class CacheEngine(CheckpointEngineWithCache):
         size the new one needs is reused. A file that cannot be had (a full file system)
         raises :class:`WeightSyncError` naming it, with nothing left behind."""
         self._own()
-        layout = _Layout(manifest)
+        layout = _Layout(manifest, self._stamp)
         for old in _versions(self.root)[:-max(1, self.keep - 1)]:  # never the newest one
             fd = _lock(_final(self.root, old), exclusive=True)
             if fd is None:
@@ -614,11 +678,20 @@ class CacheEngine(CheckpointEngineWithCache):
                 if fd is None:
                     break  # gone meanwhile: list again
                 st = os.fstat(fd)
-                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._broken:
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                if key in self._broken or key in self._skipped:
                     os.close(fd)
                     continue
                 try:
-                    return v, fd, read_version(path, fd)
+                    meta: dict[str, str] = {}
+                    items = read_version(path, fd, metadata=meta)
+                    if self.job is not None and meta.get("weightbus_job") != self.job:
+                        os.close(fd)
+                        self._skipped.add(key)
+                        _log.warning("%s: %s is another job's (%r; this reader reads job %r's): not read",
+                                     self.where(), path, meta.get("weightbus_job"), self.job)
+                        continue
+                    return v, fd, items
                 except CorruptVersion as e:
                     os.close(fd)
                     raise self._set_aside(path, v, st, e) from None
