@@ -18,12 +18,14 @@ args() { case $1 in
   h8)    echo "--scenario hybrid-fsdp-direct --preset 8b --iters 3" ;;
   h30)   echo "--scenario hybrid-fsdp-direct --preset 30b-a3b --layers 12 --iters 3" ;;
   d100k) echo "--scenario disaggregated --tensors 100000 --tensor-bytes 1024 --trainer-dtype bf16 --iters 5" ;;
+  # sharded receive, 4 GPUs: one trainer -> the 3 TP ranks of one replica (the sharded line)
+  s30)   echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 3 --iters 3" ;;
 esac; }
 for r in $ROWS; do
   for side in ${SIDES:-old new old new}; do
     case $side in new) dir=$PWD ;; old) dir=$PWD/_old ;; *) dir=$PWD/_old/$side ;; esac
     line=$(cd "$dir" && PYTHONPATH=$dir timeout 150 python -m weightbus.cli bench $(args $r) 2>&1 \
-      | grep -E "^(colocated|disaggregated|hybrid)" | tail -1)
+      | grep -E "^(colocated|disagg|hybrid|  sharded)" | tail -2 | tr -s ' ' | tr '\n' ' ')
     echo "$r $side: $line"
   done
 done

@@ -39,6 +39,16 @@ def test_each_rollout_rank_receives_only_its_shard(port, T):
     assert all(b > 0 for b in sent), sent
 
 
+def test_destinations_moved_between_updates_are_written_where_they_are_now(port):
+    """The receiver tables its destinations' views once (a MoE's buckets hold thousands of
+    pieces); a destination whose memory moved under the same tensor object since (``set_``,
+    ``param.data = ...``) is written in its new memory, not its old, at every update."""
+    T = 1
+    out = spawn(ws.run, T + R, (T, R, port, 4, 4096, True), timeout=240)
+    for r in range(R):
+        assert out[T + r]["wrong"] == [], out[T + r]["wrong"]
+
+
 def test_a_region_no_source_holds_fails_before_a_byte_moves(port):
     T = 2
     out = spawn(ws.bad_layout, T + R, (T, R, port), timeout=120)

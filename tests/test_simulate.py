@@ -53,6 +53,32 @@ ROWS = [
 ]
 
 
+# One trainer to the 3 TP ranks of one replica, on 4 H100s (`bash benchmarks/plan_calibrate.sh
+# s8tp3 s30tp3`; the bench's layout: every matrix split by rows, vectors whole): the
+# broadcast to all 3 and sharded receive, in one run. The sharded 30b-a3b rows are the
+# code of this commit (ab_hotpath.sh's s30 row); the 8b ones at 56e53a4, where its few
+# large pieces hide the per-piece cost behind the link all the same.
+TP3 = [
+    ("plan s8tp3: nccl 1->3, 8b bf16", "8b", None, "nccl", (54.8, 54.7)),
+    ("plan s8tp3: sharded TP=3, 8b bf16", "8b", None, "sharded", (50.5, 50.0)),
+    ("plan s30tp3: nccl 1->3, 30b-a3b/24 bf16", "30b-a3b", 24, "nccl",
+     (103.5, 107.7, 97.5, 103.7, 108.0, 96.7)),
+    ("plan s30tp3: sharded TP=3, 30b-a3b/24 bf16 (28,305 pieces)", "30b-a3b", 24, "sharded", (195.5, 203.9)),
+]
+
+
+@pytest.mark.parametrize("row", TP3, ids=[r[0] for r in TP3])
+def test_one_sender_to_three_tp_ranks_within_15_percent(row):
+    from weightbus.bench import _tp_box
+    from weightbus.shards import ShardLayout
+    _, preset, layers, backend, runs = row
+    manifest = manifest_of(presets.shapes(preset, layers))
+    layouts = [ShardLayout({m.name: [_tp_box(m.shape, r, 3)] for m in manifest.metas}) for r in range(3)]
+    p = simulate(cluster("h100"), Layout(1, 1, 3), manifest, backend, shards=Shards(manifest, 3, layouts))
+    ms = statistics.median(runs)
+    assert abs(p.seconds * 1e3 / ms - 1) <= 0.15, (p.seconds * 1e3, ms, p.parts)
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
 def test_simulator_within_15_percent_of_every_measured_row(row):
     _, preset, layers, layout, backend, dtype, delta, runs = row

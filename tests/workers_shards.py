@@ -68,7 +68,9 @@ def expected(step: int, r: int, R: int) -> dict[str, torch.Tensor]:
     return want
 
 
-def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int) -> dict:
+def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: bool = False) -> dict:
+    """``move``: after each update, the rollout moves some destinations' memory under the
+    same tensor objects (``set_``, as ``param.data = ...`` or a reallocating module does)."""
     torch.set_num_threads(1)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     trainer = rank < T
@@ -94,6 +96,9 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int) -> dict:
             out["whole"] = sorted(whole)
             if not torch.equal(whole["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
                 out["wrong"].append(f"{step}:rotary.inv_freq")
+            if move:
+                for n in ("norm.weight", "up.weight", "experts.w"):
+                    params[n].set_(torch.full_like(params[n], float("nan")))
         out["stats"].append(stats.to_dict())
     engine.finalize(destroy_group=True)
     return out

@@ -112,9 +112,9 @@ class BenchConfig:
                 raise ValueError(f"rollout_tp={tp} makes {tp} receivers; receivers={self.receivers} "
                                  f"disagrees")
             self.receivers = tp
-        if self.receivers > 1 and self.gpu:
-            raise ValueError("several receivers run on the CPU only here (one GPU per rank: see "
-                             "benchmarks/ for multi-GPU runs)")
+        if self.receivers > 1 and self.gpu and torch.cuda.device_count() < 1 + self.receivers:
+            raise ValueError(f"{self.receivers} receivers on GPUs need {1 + self.receivers} of them (one "
+                             f"per rank); this machine has {torch.cuda.device_count()}")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype must be one of {', '.join(TRAINER_DTYPES)}, "
                              f"got {self.trainer_dtype!r}")

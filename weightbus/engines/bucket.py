@@ -102,6 +102,10 @@ class BucketEngine(CheckpointEngine):
         self._layout_seen: list[tuple[int | None, ShardLayout | None]] = []
         self._shard_dests: sharded.Destinations | None = None
         self._shard_plans: dict[tuple[Any, ...], ShardPlan] = {}
+        #: sharded receive: per (bucket, slot), its slot views (and a receiver's destination
+        #: views), made once per plan, slots and destinations (``sharded._tabled``)
+        self._shard_copies: dict[tuple[Any, ...], Any] = {}
+        self._shard_seen: list[int] | None = None  # where the destinations were when tabled
         self._sharded_got: tuple[int, int] | None = None  # (payload bytes, fallbacks) received
         self._stamper = buffers.Stamper()
         self.n_senders = 1
@@ -528,6 +532,7 @@ class BucketEngine(CheckpointEngine):
         ones must not outlive them (they would keep their memory mapped)."""
         self._packer_of = self._assembler_of = None
         self._assembler_for = (None, None)
+        self._shard_copies = {}  # (sharded receive's tabled slot views)
 
     @property
     def rank_in_senders(self) -> int:

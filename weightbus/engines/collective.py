@@ -63,6 +63,7 @@ class CollectiveEngine(BucketEngine):
             raise PlanError(f"{self.where()}: sharded receive does not combine with delta=True yet")
         if self.role == "trainer":
             raise PlanError(f"{self.where()}: only a rollout rank states shard destinations")
+        self._shard_copies = {}  # (views of the destinations before)
         if placements is None or isinstance(placements, sharded.Destinations):
             self._shard_dests = placements
         elif isinstance(placements, Mapping):
