@@ -158,9 +158,9 @@ def _tabled(engine: BucketEngine, kind: Callable[..., _T], slot: torch.Tensor, b
             *args: Any) -> _T:
     """What copying one bucket through one slot takes, made once per plan, slots and
     destinations (``plan_of``, ``_forget_views`` and ``set_shard_destinations`` clear the
-    table): a MoE's buckets hold thousands of small pieces, and their views
-    and copies made one by one per update cost more than their bytes (30b-a3b/24 at TP=3
-    on H100s: 520-595 ms, against 104-108 ms for broadcasting the whole model)."""
+    table): a MoE's buckets hold thousands of small pieces, whose views and copies made
+    one by one per update cost more than their bytes (30b-a3b/24 from one trainer to 3 TP
+    ranks on H100s: 558-611 ms so, 196-204 ms tabled, 97-108 ms to broadcast it all)."""
     key = (kind, b.index, slot.data_ptr())
     got = engine._shard_copies.get(key)
     if got is None:
