@@ -262,3 +262,21 @@ def test_plan_cli_writes_every_rank_and_link_as_json(tmp_path):
     assert doc["recommended"]["backend"] == best["backend"] == "sharded"
     assert len(best["sent_gb"]) == 8 and len(best["received_gb"]) == 8 and best["link_gb"]
     assert len(doc["layout"]["rollout_gpus_by_rank"]) == 8 and [r["replicas"] for r in doc["sweep"]] == [1, 2]
+
+
+def test_plan_cli_prices_the_delta_check_every_n_updates(tmp_path):
+    import json
+    base = [sys.executable, "-m", "weightbus", "plan", "--cluster", "h100", "--model", "8b",
+            "--trainers", "8", "--replicas", "1", "--rollout-gpus", "8", "--delta", "0.02"]
+    verify = []
+    for n in ("1", "4", "0"):
+        out = tmp_path / f"v{n}.json"
+        got = subprocess.run([*base, "--verify-every", n, "--json", str(out)], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, got.stderr
+        doc = json.loads(out.read_text())
+        assert doc["model"]["verify_every"] == int(n)
+        verify.append(doc["predictions"][0]["parts"].get("verify", 0.0))
+    assert verify[1] == pytest.approx(verify[0] / 4) and verify[2] == 0.0 < verify[1]
+    bad = subprocess.run(base[:-2] + ["--verify-every", "4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "give --delta too" in bad.stderr

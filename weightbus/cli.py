@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--delta", type=_fraction, metavar="FRACTION",
                    help="delta updates: the fraction of the elements that change per step (e.g. 0.02); "
                         "the records are sized by the delta engine's own encoding rule")
+    q.add_argument("--verify-every", type=_int(0, 1 << 20, what=" (delta updates between whole checks)"),
+                   default=1, metavar="N",
+                   help="--delta: the receivers check their whole copy every N delta updates (the "
+                        "engines' verify_every; 0: never)")
     q.add_argument("--trainer-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="what the trainers hold (fp32 is cast into the buckets)")
     q.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"), action="append",
@@ -474,6 +478,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.plot and not args.sweep:
         args.parser.error("--plot draws the --sweep: give --sweep N,N,... too")
+    if args.verify_every != 1 and args.delta is None:
+        args.parser.error("--verify-every sets the delta updates' check: give --delta too")
     if args.senders is not None and args.senders > args.trainers:
         args.parser.error(f"--senders {args.senders}: more than the {args.trainers} trainer GPUs "
                           f"(--trainers); give at most {args.trainers}")
@@ -497,7 +503,7 @@ def _plan(args: argparse.Namespace) -> int:
         lay.check(c)
     except PlanError as e:
         args.parser.error(str(e))
-    q = Question(c, lay, args.model, fp8=args.fp8, delta=args.delta,
+    q = Question(c, lay, args.model, fp8=args.fp8, delta=args.delta, verify_every=args.verify_every,
                  trainer_dtype=torch.float32 if args.trainer_dtype == "fp32" else torch.bfloat16,
                  bucket_sizes=tuple(mb << 20 for mb in (args.bucket_mb or [256, 1024])))
     preds, model = answer(q)

@@ -23,6 +23,7 @@ class Question:
     model: str
     fp8: bool = False
     delta: float | None = None
+    verify_every: int = 1  # delta: the receivers' whole-destination check every this many (0: never)
     trainer_dtype: torch.dtype = torch.bfloat16
     bucket_sizes: tuple[int, ...] = (256 << 20, 1 << 30)
 
@@ -31,7 +32,7 @@ def answer(q: Question) -> tuple[list[Prediction], dict]:
     """The predictions, fastest first, and what the model is (tensors, bytes)."""
     manifest = manifest_of(model_shapes(q.model), fp8=q.fp8)
     preds = plan(q.cluster, q.layout, manifest, bucket_sizes=q.bucket_sizes, fp8=q.fp8, delta=q.delta,
-                 trainer_dtype=q.trainer_dtype)
+                 verify_every=q.verify_every, trainer_dtype=q.trainer_dtype)
     return preds, {"tensors": len(manifest), "gb": manifest.nbytes / 1e9}
 
 
@@ -40,7 +41,9 @@ def table(q: Question, preds: list[Prediction], model: dict) -> str:
     nic = f"{c.nics_per_node} x {c.nic_gbps:g} GB/s NICs" if c.nics_per_node else "no NIC"
     where = "colocated on the trainers' GPUs" if lay.colocated else "on their own GPUs"
     megatron = f" (Megatron tp {lay.tp} pp {lay.pp} ep {lay.ep})" if lay.megatron else ""
-    delta = f", delta updates ({q.delta:g} of the elements changed)" if q.delta else ""
+    every = "every update" if q.verify_every == 1 else f"every {q.verify_every} updates"
+    check = f"checked whole {every}" if q.verify_every else "never checked whole"
+    delta = f", delta updates ({q.delta:g} of the elements changed, {check})" if q.delta else ""
     lines = [
         f"cluster {c.name}: {c.nodes} node(s) x {c.gpus_per_node} GPUs, NVLink {c.nvlink_gbps:g} GB/s, {nic} "
         f"per node, HBM {c.hbm_gbps:g} GB/s",
@@ -81,7 +84,7 @@ def as_json(q: Question, preds: list[Prediction], model: dict,
                    "rollout_gpus": lay.rollout_gpus, "colocated": lay.colocated, "tp": lay.tp, "pp": lay.pp,
                    "ep": lay.ep, "sender_gpus": [lay.sender_gpu(s) for s in range(lay.n_senders)],
                    "rollout_gpus_by_rank": [lay.rollout_gpu(r) for r in range(lay.rollouts)]},
-        "model": {"name": q.model, **model, "fp8": q.fp8, "delta": q.delta,
+        "model": {"name": q.model, **model, "fp8": q.fp8, "delta": q.delta, "verify_every": q.verify_every,
                   "trainer_dtype": str(q.trainer_dtype).removeprefix("torch.")},
         "recommended": {"backend": preds[0].backend, "bucket_mb": preds[0].bucket_size >> 20},
         "predictions": [{**asdict(p), "ratio": p.ratio} for p in preds],
