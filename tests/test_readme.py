@@ -23,7 +23,9 @@ def blocks():
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # (the repository first; what the environment adds, e.g. a vLLM install, after it)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
 @pytest.mark.parametrize("marker,lang,code", list(blocks()))

@@ -64,7 +64,7 @@ class NativeTrainer:
                  trainer_rank=None, trainer_world=None, bucket_size=None, timeout=60, **info):
         from transformers import AutoModelForCausalLM
 
-        from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
+        from weightbus.integrations.vllm import WeightbusTrainerInitInfo
         torch.set_num_threads(1)
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
@@ -78,9 +78,8 @@ class NativeTrainer:
         self.engine = None
 
     def connect(self, client=None):
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        self.engine = WeightTransferTrainerFactory.trainer_init(self.info, client=client,
-                                                                source=self.source())
+        from weightbus.integrations.vllm import trainer_init
+        self.engine = trainer_init(self.info, client=client, source=self.source())
 
     def source(self, change=None):
         """The weights vLLM loads (checkpoint names and layouts, a tied head once);

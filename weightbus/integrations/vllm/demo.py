@@ -39,6 +39,7 @@ def lm_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int,
     """One optimizer step of a transformers causal LM on random tokens (seeded)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (4, seq_len), generator=g)
+    ids = ids.to(next(model.parameters()).device)  # (the same tokens on any device)
     loss = model(input_ids=ids, labels=ids).loss
     opt.zero_grad()
     loss.backward()
@@ -52,8 +53,9 @@ def greedy_tokens(model: torch.nn.Module, prompts: list[list[int]], n: int) -> l
     model.eval()
     out = []
     with torch.no_grad():
+        device = next(model.parameters()).device
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             for _ in range(n):
                 nxt = model(input_ids=ids).logits[0, -1].argmax()
                 ids = torch.cat([ids, nxt.view(1, 1)], dim=1)

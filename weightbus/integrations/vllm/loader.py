@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus.errors import WeightbusError
+from weightbus.integrations.vllm import compat
 from weightbus.integrations.vllm.placement import Placement, Recorder
 from weightbus.integrations.vllm.processing import (
     RebuildHooks,
@@ -362,14 +363,10 @@ def _loaders_key(model: torch.nn.Module) -> int:
 
 def _placeable(layer: torch.nn.Module, param: str) -> str | None:
     """Why a region recorded into ``param`` of ``layer`` cannot be written in place."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_MODULES
-    if param in SKIP_LOAD_TENSORS or type(layer).__name__ in SKIP_MODULES:
+    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES
+    if param in compat.skip_load_tensors() or type(layer).__name__ in SKIP_MODULES:
         return "vLLM's reload does not load it"
-    try:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    except ImportError:  # pragma: no cover - another vLLM layout
-        return None
-    if is_deferred_attention_layer(layer):
+    if compat.is_deferred_attention(layer):
         return "vLLM processes attention layers at the end of an update"
     return None
 

@@ -1,22 +1,13 @@
-"""weightbus as a native vLLM weight-transfer backend, named ``weightbus``.
-
-Worker side (inside every vLLM worker; registered by the ``vllm.general_plugins`` entry
-point that ``pip install weightbus[vllm]`` installs)::
+"""weightbus as a native vLLM weight-transfer backend, named ``weightbus``: the worker side,
+inside every vLLM worker (registered by the ``vllm.general_plugins`` entry point that
+installing weightbus adds)::
 
     llm = LLM(model=path, weight_transfer_config={"backend": "weightbus"})
 
-Trainer side (every trainer rank; rank 0 drives vLLM through ``client``)::
-
-    from weightbus.integrations.vllm.native import WeightbusTrainerInitInfo
-    info = WeightbusTrainerInitInfo(rank=r, world_size=T, rollout_world_size=R,
-                                    master_address=host, master_port=port, transport="gloo")
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-    engine.send_weights(version=step)   # start -> update (concurrent with the send) -> finish
-
-``transport`` is any weightbus engine: ``gloo``, ``nccl``, ``colocated`` (CUDA IPC on
-GPU, shared memory on CPU)... Every trainer rank sends its own share of the buckets; only
-rank 0 talks to vLLM. The data plane is formed once at ``trainer_init`` (a rendezvous on
-rank 0's TCPStore at ``master_address:master_port``) and reused by every update.
+The trainer side is :mod:`.trainer` (:func:`~weightbus.integrations.vllm.trainer_init`).
+One class serves every vLLM from 0.24 on: what differs between versions (the engine's
+constructor, who runs the layerwise reload, the ``load_weights`` argument of 0.24-0.25)
+is read off vLLM's base class by :mod:`.compat`.
 
 Each update is checked against the model before anything loads (see :mod:`.loader`): an
 update vLLM cannot take fails on every rank, and vLLM keeps serving the previous weights.
@@ -24,45 +15,39 @@ update vLLM cannot take fails on every rank, and vLLM keeps serving the previous
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-
-try:
-    from vllm.distributed.weight_transfer.base import (
-        TrainerInitInfo,
-        TrainerWeightTransferEngine,
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferUpdateInfo,
-    )
-except ImportError as e:  # (before 0.26 these names do not exist)
-    raise ImportError(f"weightbus's vLLM backend needs vllm>=0.28 (its native weight-transfer API); "
-                      f"this vLLM lacks it ({e}): pip install 'weightbus[vllm]'") from e
-if hasattr(WeightTransferEngine, "trainer_send_weights") or "backend" not in getattr(
-        TrainerInitInfo, "__annotations__", {}):  # (0.26-0.27: an older form of the same API)
-    raise ImportError("weightbus's vLLM backend needs vllm>=0.28 (its native weight-transfer API as "
-                      "released there); this vLLM has an earlier form of it: pip install 'weightbus[vllm]'")
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from weightbus import config
-from weightbus.config import BUILTIN_TIMEOUT
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
-from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
-from weightbus.integrations.vllm import outcomes
+from weightbus.errors import WeightbusError, WeightSyncError
+from weightbus.integrations.vllm import compat, outcomes
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck
-from weightbus.plan import Manifest, TensorMeta
+from weightbus.integrations.vllm.trainer import (  # (the trainer side, once imported from here)
+    NAME,
+    WeightbusTrainerEngine,
+    WeightbusTrainerInitInfo,
+    _close_if_broken,
+    trainer_init,
+)
+from weightbus.plan import Manifest
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.shards import Box, ShardLayout
-from weightbus.sources import ModuleSource
 
-NAME = "weightbus"
-_log = logging.getLogger("vllm.weightbus")
+__all__ = ["WeightbusInitInfo", "WeightbusTrainerEngine", "WeightbusTrainerInitInfo",
+           "WeightbusUpdateInfo", "WeightbusWeightTransferEngine", "register", "trainer_init"]
+_log = compat._log
+
+
 
 
 @dataclass
@@ -109,13 +94,21 @@ class WeightbusUpdateInfo(WeightTransferUpdateInfo):
 
 
 class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, WeightbusUpdateInfo]):
-    """vLLM worker side: receive over any weightbus engine into ``model.load_weights``."""
+    """vLLM worker side: receive over any weightbus engine into the model (placed where
+    vLLM's loaders put each tensor, or through ``model.load_weights``)."""
 
     init_info_cls = WeightbusInitInfo
     update_info_cls = WeightbusUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # (config, vllm_config, device, model) from vLLM 0.26, (config, parallel_config,
+        # model) before: the base class takes whichever its vLLM passes
         super().__init__(*args, **kwargs)
+        self._lifecycle = compat.worker_api()["lifecycle"]
+        if not hasattr(self, "device"):  # 0.24-0.25
+            self.device = compat.model_device(self.model)
+        if getattr(self, "model_config", None) is None:
+            self.model_config = compat.model_config_of(self.parallel_config)
         self._engine: CheckpointEngine | None = None
         self._loader: VLLMModelLoader | None = None
         self._start_error: Exception | None = None
@@ -181,15 +174,30 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         except Exception as e:  # noqa: BLE001
             self._start_error = e
 
-    def receive_weights(self, update_info: WeightbusUpdateInfo) -> None:
+    def receive_weights(self, update_info: WeightbusUpdateInfo, load_weights: Any = None) -> None:
         """One update into the model. Never raises into vLLM: the outcome (with this
         worker's own cause, and whether its model kept the previous weights) goes to the
-        driver through the group's store (see :mod:`.outcomes`)."""
+        driver through the group's store (see :mod:`.outcomes`).
+
+        ``load_weights`` is vLLM 0.24-0.25's: there vLLM's worker calls only this, so the
+        update's start and finish run here, and vLLM must have been told the weights come
+        in kernel format (``start_weight_update(is_checkpoint_format=False)``, what
+        weightbus's rollout handles send), or it would run its own layerwise reload around
+        weightbus's."""
         done: list[outcomes.Outcome] = []
+        if not self._lifecycle:
+            self.start_weight_update()
+            if getattr(load_weights, "__name__", "") == "load_weights" and self._start_error is None:
+                self._start_error = WeightbusError(
+                    f"{self.where()}: this vLLM began its own layerwise reload: start the update with "
+                    f"start_weight_update(is_checkpoint_format=False), as weightbus's rollout handles "
+                    f"(OfflineLLMRollout, AsyncLLMRollout, HTTPRollout) do on vLLM 0.24-0.25")
         loader = self._loader
         with outcomes.recorded(self.rollout_rank, "update_weights", done,
                                kept=lambda: loader is None or not loader.touched):
             self._receive(update_info)
+        if not self._lifecycle:
+            self.finish_weight_update()
         _close_if_broken(self._engine)
         if self._store is not None:
             outcome = done[0]
@@ -236,6 +244,13 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
     def finish_weight_update(self) -> None:
         self._loader = None  # receive_weights already finalized vLLM's layerwise reload
 
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """(vLLM 0.24-0.27's static trainer API) weightbus's trainer side is an engine
+        object: :func:`weightbus.integrations.vllm.trainer_init`."""
+        raise WeightbusError("weightbus sends from a trainer engine: "
+                             "weightbus.integrations.vllm.trainer_init(info, client=..., source=...)")
+
     def shutdown(self) -> None:
         if self._engine is not None:
             engine, self._engine, self._store = self._engine, None, None
@@ -276,266 +291,14 @@ class _ToLoader:
             raise
 
 
-# ------------------------------------------------------------------ trainer side
-
-
-@dataclass
-class WeightbusTrainerInitInfo(TrainerInitInfo):
-    """Trainer side of the ``weightbus`` backend (one per trainer rank, ``rank`` = its
-    rank among the trainer ranks that send)."""
-
-    backend: ClassVar[str] = NAME
-
-    #: this host (trainer rank 0), as vLLM's workers and the other trainer ranks reach it
-    master_address: str
-    #: a free port there: rank 0 serves the rendezvous store on it
-    master_port: int
-    #: trainer ranks that send (each sends its own share of the buckets)
-    world_size: int = 1
-    #: vLLM workers to update, over every replica
-    rollout_world_size: int = 1
-    transport: str = "gloo"
-    bucket_size: int | None = None
-    #: bucket slots on each side (None: the engine's default); more let the trainer run
-    #: ahead while vLLM processes a layer
-    num_buffers: int | None = None
-    timeout: float = BUILTIN_TIMEOUT
-    partial: bool = False
-    #: vLLM's workers compare sampled layers with a fresh load every N-th update (0: off,
-    #: -1: as ``WEIGHTBUS_VLLM_SELF_CHECK`` says there), L layers each time (0: all)
-    self_check_every: int = -1
-    self_check_layers: int = 0
-    #: vLLM's workers receive only their shards, placed as they arrive (None: where the
-    #: transport can and a replica has several workers, or a lone worker receives)
-    sharded: bool | None = None
-    #: vLLM's workers write each tensor where its loaders would, calling a loader only where
-    #: it transforms values (None: on)
-    place: bool | None = None
-
-
-class WeightbusTrainerEngine(TrainerWeightTransferEngine[WeightbusTrainerInitInfo]):
-    """Trainer side: every rank sends its buckets; rank 0 also drives vLLM's
-    start -> update -> finish through the client, the update concurrently with the send."""
-
-    init_info_cls = WeightbusTrainerInitInfo
-
-    def __init__(self, *, client: Any, source: Any, init_info: WeightbusTrainerInitInfo):
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.info = init_info
-        kwargs: dict[str, Any] = {"timeout": init_info.timeout}
-        if init_info.bucket_size is not None:
-            kwargs["bucket_size"] = init_info.bucket_size
-        if init_info.num_buffers is not None:
-            kwargs["num_buffers"] = init_info.num_buffers
-        self.engine_kwargs = kwargs
-        self.engine = CheckpointEngineRegistry.new(init_info.transport, role="trainer", **kwargs)
-        self.version = 0
-        self._formations = 0
-        self._store: Any = None
-        self._prefix = NAME
-        self._interrupted: str | None = None  # an update was interrupted: the group was closed
-        #: rank 0: every vLLM worker's ``UpdateStats`` of the last update, as dicts (``bytes``:
-        #: what it received; ``fallbacks``: tensors it took whole in a sharded update);
-        #: None for a worker that failed
-        self.rollout_stats: list[dict[str, Any] | None] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-vllm-rpc")
-
-    @classmethod
-    def trainer_init(cls, init_info: WeightbusTrainerInitInfo, *, client: Any,
-                     source: Any = None) -> WeightbusTrainerEngine:
-        if source is None:
-            raise WeightbusError("the weightbus trainer engine needs a source of weights")
-        self = cls(client=client, source=source, init_info=init_info)
-        self.connect()
-        return self
-
-    def connect(self) -> None:
-        """(Re-)form the group with vLLM's workers; after a transport failure, call it on
-        every trainer rank to rebuild."""
-        info = self.info
-        T, R = info.world_size, info.rollout_world_size
-        self._formations += 1
-        self._interrupted = None
-        prefix = f"{NAME}/{self._formations}"  # the same count on every trainer rank
-        if self.is_sender and self._store is None:  # the rendezvous store, on rank 0
-            self._store = torch.distributed.TCPStore("0.0.0.0", info.master_port, None, True,
-                                                     timeout=as_timedelta(info.timeout),
-                                                     wait_for_workers=False)
-        pending = None
-        if self.is_sender:
-            pending = self._pool.submit(self.client.init_weight_transfer_engine, {
-                "master_address": info.master_address, "master_port": info.master_port,
-                "trainer_world_size": T, "rollout_world_size": R, "transport": info.transport,
-                "prefix": prefix, "engine_kwargs": self.engine_kwargs, "partial": info.partial,
-                "self_check_every": info.self_check_every, "self_check_layers": info.self_check_layers,
-                "sharded": info.sharded, "place": info.place})
-        self._prefix = prefix
-        rdv = Rendezvous(info.master_address, info.master_port, info.rank, T + R,
-                         timeout=info.timeout, prefix=prefix)
-        try:
-            connect(self.engine, rdv, T, R)
-        except BaseException:
-            if pending is not None and pending.done():
-                pending.result()  # vLLM's own error says more than the rendezvous timeout
-            raise
-        if pending is not None:
-            _result(pending, info.timeout, "init_weight_transfer_engine")
-
-    @property
-    def source(self) -> Any:
-        """What each update sends; assign a new one when the set of tensors changes: a
-        weightbus source (``ModuleSource``), an ``nn.Module``, or a vLLM ``WeightSource``."""
-        return self._source
-
-    @source.setter
-    def source(self, value: Any) -> None:
-        self._source = _as_source(value)
-
-    def send_weights(self, version: int | None = None) -> Any:
-        """One update; returns weightbus's :class:`UpdateStats`. Raises
-        :class:`WeightSyncError` on every trainer rank if any rank (or vLLM worker) failed;
-        on rank 0 it names every vLLM worker that failed and its cause, and says whether
-        vLLM kept its previous weights (a replica holding some new layers has its weight
-        version set to ``"none"``). Every vLLM call of the update is closed either way, so
-        the next pause, update and generate work. After a failure that broke the group
-        (a peer lost, a deadline), a single trainer rank re-forms it at its next update;
-        several ranks call :meth:`connect` on every rank."""
-        version = self.version + 1 if version is None else int(version)
-        if (self.engine.broken or self._interrupted) and self.info.world_size == 1:
-            self.connect()
-        elif self._interrupted:
-            raise WeightSyncError(f"trainer rank {self.info.rank}: the group was closed when an update was "
-                                  f"interrupted ({self._interrupted}); call connect() on every trainer rank")
-        pending = None
-        if self.is_sender:
-            self.client.start_weight_update()
-            pending = self._pool.submit(self.client.update_weights, {"version": version})
-        failure: BaseException | None = None
-        stats = None
-        try:
-            if pending is not None and pending.done():
-                pending.result()  # a bad request fails at once: do not wait in the send
-            stats = _run(self.engine.send_weights(self.source, version=version))
-        except BaseException as e:
-            failure = e
-            if not isinstance(e, WeightSyncError):  # interrupted mid-update: the group is unusable
-                self._interrupted = f"{type(e).__name__}"
-            _close_if_broken(self.engine, force=self._interrupted is not None)  # (vLLM's workers fail now)
-        if pending is None:
-            if failure is not None:
-                raise failure
-            self.version = version
-            return stats
-        self._settle(pending, version, failure)
-        self.version = version
-        return stats
-
-    def _settle(self, pending: concurrent.futures.Future, version: int,
-                failure: BaseException | None) -> None:
-        """Rank 0, after its send: vLLM's update call returned, every worker's outcome read,
-        vLLM's update closed (with the version only if every worker succeeded)."""
-        timeout = self.info.timeout
-        concurrent.futures.wait([pending], timeout=timeout)
-        try:
-            if pending.done():
-                pending.result()
-            else:
-                raise WeightSyncError(f"vLLM did not answer update_weights within {timeout:.0f}s")
-        except Exception as e:  # noqa: BLE001 - vLLM's own error (the engine died, a bad request)
-            failure = failure or e
-        seen: list[outcomes.Outcome] = []
-        why = outcomes.settle(self._store, self._prefix, version, range(self.info.rollout_world_size),
-                              timeout, failure, f"update to version {version}",
-                              self.client.finish_weight_update,
-                              getattr(self.client, "mark_torn", lambda ranks: None), seen)
-        self.rollout_stats = [o.stats for o in seen]
-        if why is None:
-            return
-        if isinstance(failure, Exception) or failure is None:
-            raise WeightSyncError(why) from failure
-        raise failure  # an interrupt stays one; vLLM was left closed and consistent
-
-    def shutdown(self) -> None:
-        self.engine.finalize(destroy_group=True)
-        if self.is_sender and hasattr(self.client, "shutdown_weight_transfer_engine"):
-            try:
-                self.client.shutdown_weight_transfer_engine()
-            except Exception:  # noqa: BLE001 - the engine may be gone already
-                pass
-        self._pool.shutdown(wait=False)
-        self._store = None
-
-
-def _close_if_broken(engine: CheckpointEngine | None, force: bool = False) -> None:
-    """A group that lost a peer or a deadline (or, ``force``, whose update was interrupted)
-    cannot carry updates any more: close it, so that every other rank still waiting in it
-    fails now, not at its own deadline."""
-    if engine is not None and (engine.broken or force):
-        try:
-            engine.finalize(destroy_group=True)
-        except Exception as e:  # noqa: BLE001 - closing is best effort; the group is re-formed anyway
-            _log.warning("weightbus: closing a broken group: %s", e)
-
-
-def _result(fut: concurrent.futures.Future, timeout: float, what: str) -> Any:
-    try:
-        return fut.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise WeightSyncError(f"vLLM did not answer {what} within {timeout:.0f}s") from None
-
-
-def _run(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-        running = True
-    except RuntimeError:
-        running = False
-    if not running:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
-        return pool.submit(asyncio.run, coro).result()
-
-
-class _VLLMSource:
-    """A vLLM ``WeightSource`` (metadata + a fresh iteration per round) as a weightbus
-    source. Every trainer rank iterates it whole: its gathers are collectives."""
-
-    def __init__(self, source: Any):
-        self.source = source
-        self.manifest = Manifest(TensorMeta(m.name, m.dtype, tuple(m.shape)) for m in source.metadata())
-
-    def __iter__(self) -> Any:
-        return iter(self.source)
-
-
-def _as_source(source: Any) -> Any:
-    if isinstance(source, torch.nn.Module):
-        return ModuleSource(source)
-    if hasattr(source, "metadata") and not hasattr(source, "manifest"):
-        return _VLLMSource(source)
-    return source
-
-
 # ------------------------------------------------------------------ registration
 
 
 def register() -> None:
-    """Register both sides with vLLM's factories under ``weightbus``; safe to call again
-    (vLLM raises on a second registration of a name)."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
-
-    for factory, cls_name in ((WeightTransferEngineFactory, "WeightbusWeightTransferEngine"),
-                              (WeightTransferTrainerFactory, "WeightbusTrainerEngine")):
-        if NAME in getattr(factory, "_registry", {}):
-            continue
-        try:
-            factory.register_engine(NAME, __name__, cls_name)
-        except ValueError:  # registered meanwhile (another thread or plugin load)
-            if NAME not in getattr(factory, "_registry", {NAME: None}):
-                raise
+    """Register both sides with vLLM's factories under ``weightbus`` (the trainer side only
+    where this vLLM has a trainer factory, 0.26+); safe to call again."""
+    compat.register_worker(NAME, __name__, "WeightbusWeightTransferEngine")
+    compat.register_trainer(NAME, "weightbus.integrations.vllm.trainer", "WeightbusTrainerEngine")
 
 
-register()  # importing this module (trainer side) is enough to use the backend
+register()  # importing this module is enough to use the backend

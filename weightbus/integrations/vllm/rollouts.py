@@ -36,7 +36,7 @@ from typing import Any
 
 from weightbus import comm, config
 from weightbus.errors import WeightbusError
-from weightbus.integrations.vllm import outcomes
+from weightbus.integrations.vllm import compat, outcomes
 from weightbus.runtime.group import Pending, WorkerError
 
 #: Pause modes vLLM knows: ``keep`` freezes in-flight requests (they continue after the
@@ -45,11 +45,15 @@ PAUSE_MODES = ("keep", "abort", "wait")
 
 
 class Rollout:
-    """One vLLM engine (all its workers); subclasses map each call onto the engine."""
+    """One vLLM engine (all its workers); subclasses map each call onto the engine. Where
+    the engine keeps no weight versions (vLLM 0.24-0.26), the handle keeps the version of
+    the updates it drove (:attr:`local_version`)."""
 
     name: str = "vllm"
     #: vLLM workers behind this engine (each is one rank of the weight-sync group)
     size: int = 1
+    #: the version this handle recorded, for engines that keep none
+    local_version: str | None = None
 
     # vLLM's weight-sync control plane (VLLMWeightSyncClient)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -84,7 +88,9 @@ class Rollout:
     def sleep(self, level: int = 1) -> None:
         raise NotImplementedError
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine: all of it, or only ``tags`` (``"weights"`` before an update,
+        then ``"kv_cache"``: the hybrid order that never holds both beside a trainer)."""
         raise NotImplementedError
 
 
@@ -102,27 +108,37 @@ class OfflineLLMRollout(Rollout):
     def __init__(self, llm: Any, name: str = "vllm"):
         self.llm, self.name = llm, name
         self.size = int(llm.llm_engine.vllm_config.parallel_config.world_size)
+        self.calls = compat.Calls(llm, f"vLLM {compat.installed_version()}")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        self.llm.start_weight_update(**self.calls.start_kwargs())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        if self.calls.versions:
+            self.llm.finish_weight_update(weight_version)
+            return
+        self.llm.finish_weight_update()
+        if weight_version is not None:
+            self.local_version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        if self.calls.shutdown:
+            self.llm.shutdown_weight_transfer_engine()
 
     def weight_version(self) -> str | None:
-        return self.llm.get_weight_version()
+        return self.llm.get_weight_version() if self.calls.versions else self.local_version
 
     def set_weight_version(self, version: str) -> None:
-        self.llm.update_weight_version(version)
+        if self.calls.versions:
+            self.llm.update_weight_version(version)
+        else:
+            self.local_version = version
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self.llm.sleep(level=0, mode=_check_mode(mode))
@@ -135,8 +151,8 @@ class OfflineLLMRollout(Rollout):
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm.wake_up(tags)
 
 
 class AsyncLLMRollout(Rollout):
@@ -149,6 +165,7 @@ class AsyncLLMRollout(Rollout):
         self.engine, self.name, self.timeout = engine, name, config.timeout(timeout)
         self.loop = loop or asyncio.get_running_loop()
         self.size = int(engine.vllm_config.parallel_config.world_size)
+        self.calls = compat.Calls(engine, f"vLLM {compat.installed_version()}")
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         if getattr(self.loop, "_thread_id", None) == threading.get_ident():
@@ -165,23 +182,32 @@ class AsyncLLMRollout(Rollout):
             WeightTransferInitRequest(init_info=init_info)))
 
     def start_weight_update(self) -> None:
-        self._call(self.engine.start_weight_update)
+        self._call(lambda: self.engine.start_weight_update(**self.calls.start_kwargs()))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         self._call(lambda: self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call(lambda: self.engine.finish_weight_update(weight_version))
+        if self.calls.versions:
+            self._call(lambda: self.engine.finish_weight_update(weight_version))
+            return
+        self._call(self.engine.finish_weight_update)
+        if weight_version is not None:
+            self.local_version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._call(self.engine.shutdown_weight_transfer_engine)
+        if self.calls.shutdown:
+            self._call(self.engine.shutdown_weight_transfer_engine)
 
     def weight_version(self) -> str | None:
-        return self._call(self.engine.get_weight_version)
+        return self._call(self.engine.get_weight_version) if self.calls.versions else self.local_version
 
     def set_weight_version(self, version: str) -> None:
-        self._call(lambda: self.engine.update_weight_version(version))
+        if self.calls.versions:
+            self._call(lambda: self.engine.update_weight_version(version))
+        else:
+            self.local_version = version
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self._call(lambda: self.engine.pause_generation(mode=_check_mode(mode), clear_cache=clear_cache))
@@ -192,8 +218,8 @@ class AsyncLLMRollout(Rollout):
     def sleep(self, level: int = 1) -> None:
         self._call(lambda: self.engine.sleep(level))
 
-    def wake_up(self) -> None:
-        self._call(self.engine.wake_up)
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call(lambda: self.engine.wake_up(tags))
 
 
 class HTTPRollout(Rollout):
@@ -205,6 +231,7 @@ class HTTPRollout(Rollout):
                  timeout: float | None = None):
         self.base_url, self.size, self.timeout = base_url.rstrip("/"), int(workers), config.timeout(timeout)
         self.name = name or self.base_url
+        self._has_versions: bool | None = None
 
     def _request(self, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None,
                  method: str = "POST") -> Any:
@@ -218,8 +245,9 @@ class HTTPRollout(Rollout):
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise WeightbusError(f"{self.name}: {method} /{path} answered {e.code}: "
-                                 f"{e.read().decode(errors='replace')[:2000]}") from None
+            cls = _NotFound if e.code == 404 else WeightbusError
+            raise cls(f"{self.name}: {method} /{path} answered {e.code}: "
+                      f"{e.read().decode(errors='replace')[:2000]}") from None
         except OSError as e:
             raise WeightbusError(f"{self.name}: {method} /{path} failed: {e}") from None
         return json.loads(raw) if raw else None
@@ -228,22 +256,46 @@ class HTTPRollout(Rollout):
         self._request("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._request("start_weight_update")
+        # (vLLM 0.24-0.25 read the flag: weightbus runs the layerwise reload; later ones ignore it)
+        self._request("start_weight_update", {"is_checkpoint_format": False})
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._request("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        # (vLLM 0.24-0.26 ignore the version: the handle keeps it, see weight_version)
         self._request("finish_weight_update", {"weight_version": weight_version})
+        if weight_version is not None:
+            self.local_version = weight_version
+
+    def _versions(self) -> bool:
+        """Whether the server keeps weight versions (vLLM 0.27+: ``/weight_info``)."""
+        if self._has_versions is None:
+            try:
+                self._request("weight_info", method="GET")
+                self._has_versions = True
+            except _NotFound:
+                self._has_versions = False
+                compat.say_once("versions", "weightbus: %s keeps no weight versions (vLLM 0.27+ does): "
+                                "the rollout handle keeps the version of the updates it drives", self.name)
+        return self._has_versions
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._request("shutdown_weight_transfer_engine")
+        try:
+            self._request("shutdown_weight_transfer_engine")
+        except _NotFound:  # (vLLM 0.24-0.27: the next init replaces the engine)
+            pass
 
     def weight_version(self) -> str | None:
+        if not self._versions():
+            return self.local_version
         return self._request("weight_info", method="GET")["weight_version"]
 
     def set_weight_version(self, version: str) -> None:
-        self._request("update_weight_version", {"new_version": version})
+        if self._versions():
+            self._request("update_weight_version", {"new_version": version})
+        else:
+            self.local_version = version
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self._request("pause", query={"mode": _check_mode(mode), "clear_cache": str(clear_cache).lower()})
@@ -254,8 +306,12 @@ class HTTPRollout(Rollout):
     def sleep(self, level: int = 1) -> None:
         self._request("sleep", query={"level": level})
 
-    def wake_up(self) -> None:
-        self._request("wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._request("wake_up", query={"tags": tags} if tags else None)
+
+
+class _NotFound(WeightbusError):
+    """The server has no such route (an older vLLM)."""
 
 
 # ------------------------------------------------------------------ several rollouts
