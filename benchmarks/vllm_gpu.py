@@ -90,6 +90,7 @@ def _use_backend(worker, backend: str) -> str:
     own factory as the worker builds it (vLLM 0.26+)."""
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    worker = getattr(worker, "worker", worker)  # (the callable gets vLLM's wrapper of the worker)
     old = worker.weight_transfer_engine
     if old is not None:
         old.shutdown()
@@ -206,7 +207,7 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
     )
 
     cfg = _hf_config(preset, layers)
-    cls = tf.Qwen3MoeForCausalLM if "num_experts" in cfg.to_dict() else tf.Qwen3ForCausalLM
+    cls = tf.Qwen3MoeForCausalLM if isinstance(cfg, tf.Qwen3MoeConfig) else tf.Qwen3ForCausalLM
     cfg.architectures = [cls.__name__]
     path = tempfile.mkdtemp(prefix=f"wb-{preset}-")
     cfg.save_pretrained(path)

@@ -39,11 +39,10 @@ run() {  # seconds, command...: in its own process group, ended by its id afterw
 
 case "${1:-tests}" in
 tests)
-  run "${COMPAT_S:-170}" python3 -m pytest -q -p no:cacheprovider -x tests/test_vllm_compat.py \
-    > "$OUT/compat_$v.log" 2>&1
-  tail -3 "$OUT/compat_$v.log"
+  [ "${COMPAT:-1}" = 1 ] && run "${COMPAT_S:-170}" python3 -m pytest -q -p no:cacheprovider -x tests/test_vllm_compat.py \
+    > "$OUT/compat_$v.log" 2>&1 && tail -3 "$OUT/compat_$v.log"
   WB_VLLM_RESULTS=$OUT/gpu_cases_$v.jsonl WB_VLLM_CASE_TIMEOUT=${CASE_S:-100} \
-    run "${CASES_S:-420}" python3 -m pytest -q -p no:cacheprovider -rA tests/test_vllm_gpu.py \
+    run "${CASES_S:-420}" python3 -m pytest -q -p no:cacheprovider -rA tests/test_vllm_gpu.py -k "${CASES:-}" \
     > "$OUT/gpu_cases_$v.log" 2>&1
   grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error" "$OUT/gpu_cases_$v.log" | tail -12
   [ -f "$OUT/gpu_cases_$v.jsonl" ] && python3 - "$OUT/gpu_cases_$v.jsonl" <<'EOF'

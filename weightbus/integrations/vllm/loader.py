@@ -371,6 +371,14 @@ def _placeable(layer: torch.nn.Module, param: str) -> str | None:
     return None
 
 
+def _optional(layer: torch.nn.Module, param: str) -> bool:
+    """Whether vLLM's own load leaves ``param`` of ``layer`` out where a checkpoint lacks
+    it: an attention layer's quantization scales (``q_scale``, ``k_scale``...: an fp8
+    model's checkpoint may carry them; without them vLLM sets its defaults when it
+    processes the layer)."""
+    return param.endswith("_scale") and compat.is_deferred_attention(layer)
+
+
 class _CopyCounter(TorchDispatchMode):
     """Counts elements written by ``copy_`` (a loader may narrow, then copy)."""
 
@@ -493,7 +501,8 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
         elif got:
             half.append(f"{name} ({got} of {want} elements)")
     for key, (name, p) in params.items():
-        if storage[key] not in filled and not loaded[key] and p.numel():
+        if storage[key] not in filled and not loaded[key] and p.numel() \
+                and not _optional(owner[key][0], owner[key][2]):
             missing.append(name)
     if half:
         return f"the update fills only part of {len(half)} parameter(s): {_some(half)}"
