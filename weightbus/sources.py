@@ -8,9 +8,11 @@ casts while copying into the bucket, so the cast happens once, on the tensor's d
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -51,6 +53,16 @@ class ModuleSource:
     Iterating yields full tensors on every rank (DTensors are all-gathered), which is the
     contract every engine accepts. Engines that know which trainer rank packs a tensor
     call :meth:`iter_for` instead, which gathers a sharded tensor only to that rank.
+
+    A source built once follows the module (or mapping) it was given, at every update:
+    a parameter whose memory was replaced (``p.data = t``, ``model.to(...)``,
+    ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` set on the module, an
+    entry of the mapping replaced) is read where it is now, checked by one pointer, shape
+    and identity pass over every tensor (C-level, no per-tensor Python step). A tensor that
+    no longer matches the manifest (another shape, another wire dtype, removed) fails the
+    update before a byte moves, naming it: build a new source for the new set of tensors.
+    A mapping of detached tensors (``model.state_dict()``) cannot be followed: pass the
+    module itself.
     """
 
     def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor], *,
@@ -58,6 +70,8 @@ class ModuleSource:
         items = weights.state_dict() if isinstance(weights, nn.Module) else dict(weights)
         self.dtype = dtype
         self._items: list[tuple[str, torch.Tensor]] = []
+        homes: list[tuple[Any, str] | None] = []  # where each tensor is read again at each update
+        where = _homes(weights, items)
         metas = []
         for name, t in items.items():
             if not isinstance(t, torch.Tensor):
@@ -73,8 +87,10 @@ class ModuleSource:
                 raise PlanError(f"ModuleSource: name_map({name!r}) returned a {type(out).__name__}; "
                                 f"it must return the rollout's name (a str) or None to drop it")
             self._items.append((out, t))
+            homes.append(where.get(name))
             metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
         self.manifest = Manifest(metas)
+        self._live = _Live(homes) if any(h is not None for h in homes) else None
         # Tensors with no autograd (a module's state dict) are held by reference: the list
         # an engine packs from is built once, and stays what the manifest was made from
         # (an optimizer updates them in place). Parameters are detached per update instead,
@@ -95,9 +111,42 @@ class ModuleSource:
     def __len__(self) -> int:
         return len(self._items)
 
+    def follow(self) -> None:
+        """Read every tensor where it lives now (see the class docstring); raises
+        :class:`PlanError` naming a tensor that no longer fits the manifest. Every
+        per-update entry point calls it."""
+        live = self._live
+        if live is None:
+            return
+        changed = live.changed()
+        if not changed:
+            return
+        for i, now in changed:
+            name, meta = self._items[i][0], self.manifest[i]
+            if now is None:
+                raise PlanError(f"ModuleSource: tensor {name!r} is gone from the module it was built from; "
+                                f"build a new source (ModuleSource(model)) for the new set of weights")
+            wire, shape = self.wire_dtype(now), tuple(now.shape)
+            if wire != meta.dtype or shape != meta.shape:
+                now_is = f"{str(now.dtype).removeprefix('torch.')}{list(shape)}"
+                raise PlanError(f"ModuleSource: tensor {name!r} was replaced by a {now_is} tensor, where "
+                                f"the source was built for {meta.describe()}; nothing was sent: build a new "
+                                f"source (ModuleSource(model)) for the new weights")
+            why = unsendable(name, now) if not _is_dtensor(now) else None
+            if why:
+                raise PlanError(f"ModuleSource: {why} (it was replaced since the source was built)")
+        for i, now in changed:  # (all of them fit: follow them)
+            t = now.detach() if not _is_dtensor(now) and now.requires_grad else now
+            self._items[i] = (self._items[i][0], t)
+            if self._plain is not None:
+                self._plain[i] = t
+        live.seen()
+        self._fit.clear()  # (gather targets were worked out for the tensors held before)
+
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
         then packs straight from this list, with no per-tensor step; None otherwise."""
+        self.follow()
         if self._plain is not None:
             return self._plain
         if any(_is_dtensor(t) for _, t in self._items):
@@ -105,6 +154,7 @@ class ModuleSource:
         return [_detached(t) for _, t in self._items]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.follow()
         for name, t in self._items:
             yield name, t.full_tensor() if _is_dtensor(t) else _detached(t)
 
@@ -114,6 +164,7 @@ class ModuleSource:
         its own dim-0 shard of an FSDP2 DTensor (the elements ``[offset, offset + len)`` of
         the flattened full tensor), or its 1/``world`` of a tensor every rank holds whole.
         Any other DTensor layout is gathered (collectively, on every rank) and split."""
+        self.follow()
         with torch.no_grad():
             for i, (_, t) in enumerate(self._items):
                 if _is_dtensor(t) and _gatherable(t):
@@ -138,6 +189,7 @@ class ModuleSource:
         ``into(i)`` may name where tensor i should land (wire dtype, full shape, e.g. the
         rollout's own parameter mapped over CUDA IPC): a gather to every rank then writes
         straight into it and the yielded tensor *is* that target."""
+        self.follow()
         group: list[tuple[int, str, Any, torch.Tensor]] = []  # gathers into targets, batched
         group_bytes = 0
         for i, (name, t) in enumerate(self._items):
@@ -228,6 +280,101 @@ class ModuleSource:
 _GROUP_BYTES = 256 << 20  # full-tensor bytes gathered per batch of casts
 _FLAT_MAX = 64 << 20  # a tensor this large is gathered on its own: its call's cost is noise
 _FLAT_ALIGN = 16
+
+
+def _homes(weights: Any, items: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, str]]:
+    """Where each of ``items`` lives, to be read again at each update: for a module, the
+    ``_parameters`` or ``_buffers`` dict of its owning submodule and the attribute name
+    (where the state dict's name resolves to the very same tensor); for a mapping, the
+    mapping itself and the key."""
+    if not isinstance(weights, nn.Module):
+        return {k: (weights, k) for k in items} if isinstance(weights, Mapping) else {}
+    live = weights.state_dict(keep_vars=True)
+    out: dict[str, tuple[Any, str]] = {}
+    for name, t in live.items():
+        prefix, _, attr = name.rpartition(".")
+        try:
+            owner = weights.get_submodule(prefix) if prefix else weights
+        except AttributeError:  # (a state-dict hook renamed it: held as it is)
+            continue
+        for table in (owner._parameters, owner._buffers):
+            if table.get(attr) is t:
+                out[name] = (table, attr)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _numels(present: list[Any]) -> np.ndarray:
+    return np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
+
+
+class _Live:
+    """The tensors a source was built from, where they live: checked at each update in a
+    few C-level passes (the objects by identity, their data pointers, their element
+    counts)."""
+
+    def __init__(self, homes: list[tuple[Any, str] | None]):
+        self.index = [i for i, h in enumerate(homes) if h is not None]
+        self.tables = [homes[i][0] for i in self.index]  # type: ignore[index]
+        self.keys = [homes[i][1] for i in self.index]  # type: ignore[index]
+        self._objs: list[Any] = []
+        self._ptrs = self._numels = np.zeros(0, np.int64)
+        self.seen()
+
+    def _scan(self) -> tuple[list[Any], list[Any], np.ndarray]:
+        """The tensors now (None where one was removed), the same with a stand-in for
+        each removed one, and their data pointers."""
+        try:
+            objs = list(map(operator.getitem, self.tables, self.keys))
+        except KeyError:
+            objs = list(map(_get, self.tables, self.keys))
+        try:
+            return objs, objs, self._pointers(objs)
+        except TypeError:  # (a removed one: None in its place)
+            present = [o if o is not None else _NONE for o in objs]
+            return objs, present, self._pointers(present)
+
+    @staticmethod
+    def _pointers(present: list[Any]) -> np.ndarray:
+        try:  # (one C-level pass; a DTensor has no data pointer of its own: its shard's)
+            return np.fromiter(map(torch.Tensor.data_ptr, present), np.int64, len(present))
+        except RuntimeError:
+            return np.fromiter(map(_data_ptr_of, present), np.int64, len(present))
+
+    def seen(self) -> None:
+        """Take the tensors as they are now as the ones followed."""
+        self._objs, present, self._ptrs = self._scan()
+        self._numels = _numels(present)
+
+    def changed(self) -> list[tuple[int, torch.Tensor | None]]:
+        """``(item index, tensor now)`` of every tensor replaced since :meth:`seen` (a new
+        object, new memory, or as many elements no more: ``.shape`` costs microseconds a
+        tensor, ``numel`` a fraction of one)."""
+        objs, present, ptrs = self._scan()
+        numels = _numels(present)
+        if all(map(operator.is_, objs, self._objs)) and np.array_equal(ptrs, self._ptrs) \
+                and np.array_equal(numels, self._numels):
+            return []
+        return [(self.index[k], objs[k]) for k in range(len(objs))
+                if objs[k] is None or objs[k] is not self._objs[k] or ptrs[k] != self._ptrs[k]
+                or numels[k] != self._numels[k]]
+
+
+_NONE = torch.empty(0)
+
+
+def _get(table: Any, key: str) -> Any:
+    try:
+        return table[key]
+    except KeyError:
+        return None
+
+
+def _data_ptr_of(t: torch.Tensor) -> int:
+    return _local(t).data_ptr()
 
 
 class _FlatGather:

@@ -67,7 +67,7 @@ class CollectiveEngine(BucketEngine):
         if placements is None or isinstance(placements, sharded.Destinations):
             self._shard_dests = placements
         elif isinstance(placements, Mapping):
-            self._shard_dests = sharded.Placed(placements, self.where())
+            self._shard_dests = sharded.Placed(placements, self.where)
         else:
             raise PlanError(f"{self.where()}: shard destinations must be a mapping of placements or "
                             f"a Destinations (layout() and place()), got {type(placements).__name__}")

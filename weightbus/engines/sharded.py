@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 import torch
 
 from weightbus import buffers
@@ -60,13 +61,59 @@ class Destinations(Protocol):
 
 
 class Placed:
-    """Fixed destinations: each region written into its own destination view."""
+    """Fixed destinations: each region written into its own destination view.
 
-    def __init__(self, placements: Placements, where: str):
-        self.placements, self._layout = placements, check_placements(placements, where)
+    Checked where they are given (every destination the shape of its region) and again
+    before every update, on the rank that holds them, before any byte moves: each named
+    tensor is in the update, each destination still has its region's shape and the
+    update's wire dtype (a copy would cast silently). A destination re-allocated since
+    (``param.data = ...``, ``model.to(...)``, a resize) is caught there; a mismatch fails
+    the update on every rank (``layout`` raises: the group agrees on it before anything
+    is written), naming the rank and the tensor, and the next update that fits lands.
+    The check runs in full only where the manifest or a destination's memory changed
+    (one C-level pass over the destinations otherwise)."""
+
+    def __init__(self, placements: Placements, where: str | Callable[[], str]):
+        self._where = where if callable(where) else (lambda: where)
+        self.placements, self._layout = placements, check_placements(placements, self._where())
+        self._dsts = [d for pairs in placements.values() for _, d in pairs]
+        self._checked: tuple[int, np.ndarray, np.ndarray] | None = None  # (manifest, ptrs, numels)
 
     def layout(self, manifest: Manifest) -> ShardLayout:
+        ptrs = self._pointers()
+        numels = np.fromiter(map(torch.Tensor.numel, self._dsts), np.int64, len(self._dsts))
+        seen = self._checked
+        if seen is None or seen[0] != manifest.fingerprint or not np.array_equal(seen[1], ptrs) \
+                or not np.array_equal(seen[2], numels):
+            self._checked = None
+            self.check(manifest)
+            self._checked = (manifest.fingerprint, ptrs, numels)
         return self._layout
+
+    def check(self, manifest: Manifest) -> None:
+        """Raise :class:`PlanError` naming every destination that does not fit ``manifest``."""
+        metas = {m.name: m for m in manifest}
+        problems = []
+        for name, pairs in self.placements.items():
+            meta = metas.get(name)
+            if meta is None:
+                problems.append(f"a placement names tensor {name!r}, which the update does not have")
+                continue
+            for box, dst in pairs:
+                what = f"the destination of {name!r}{list(box.start)}+{list(box.size)}"
+                if tuple(dst.shape) != box.size:  # (a region outside its tensor: the plan says so)
+                    problems.append(f"{what} now has shape {list(dst.shape)}, not the region's "
+                                    f"{list(box.size)} (re-allocated since it was wired?)")
+                elif dst.dtype != meta.dtype:
+                    problems.append(f"{what} is {str(dst.dtype).removeprefix('torch.')}, the update sends "
+                                    f"{str(meta.dtype).removeprefix('torch.')} (writing it would cast)")
+        if problems:
+            raise PlanError(f"{len(problems)} shard destination(s) do not fit the update, nothing was "
+                            f"written: " + "; ".join(problems[:5])
+                            + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+    def _pointers(self) -> np.ndarray:
+        return np.fromiter(map(torch.Tensor.data_ptr, self._dsts), np.int64, len(self._dsts))
 
     def region(self, name: str, box: Box) -> torch.Tensor:
         """The destination view of ``box``. Destinations that have this method are fixed:
@@ -80,7 +127,7 @@ class Placed:
         the same tensor object (``param.data = ...``, ``set_``, a ``resize_``, a module
         that reallocates its weights), and the tabled views and addresses would then
         write where it no longer is. Read once per update."""
-        return [d.data_ptr() for pairs in self.placements.values() for _, d in pairs]
+        return self._pointers().tolist()
 
     def place(self, name: str, box: Box, data: torch.Tensor) -> None:
         self.region(name, box).copy_(data)
