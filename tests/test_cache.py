@@ -286,3 +286,37 @@ def test_a_restarted_publisher_of_the_same_job_keeps_its_versions_readable(tmp_p
         with pytest.raises(WeightbusError, match="job must be a non-empty printable string"):
             workers_cache.cache("rollout", "disk", where, job=bad)
     back.finalize(destroy_group=True)
+
+
+@pytest.mark.parametrize("backend", ["shm", "disk"])
+@pytest.mark.parametrize("job", [None, "other-job"])
+def test_a_cache_never_goes_from_a_version_to_none(tmp_path, port, backend, job):
+    """A publisher dies holding version 1; a new one takes the cache (another job, or none
+    said) and its first publish fails: readers still read version 1. Its next publish goes
+    in, and only then do the dead publisher's versions go."""
+    where = _where(backend, tmp_path, port)
+    ctx = mp.get_context("spawn")
+    out, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=workers_cache.interrupted_publisher,
+                    args=(backend, where, "die", ready, go, out), kwargs={"job": "old-job"})
+    p.start()
+    first = out.get(timeout=60)
+    go.set()
+    p.join(60)
+    assert p.exitcode == -9
+    owner = workers_cache.cache("trainer", backend, where, **({"job": job} if job else {}))
+    model = Mixed()
+    model.step(7)
+    with pytest.raises(WeightbusError, match="failed midway"):
+        asyncio.run(owner.send_weights(workers_cache._Raising(ModuleSource(model), 2), version=1))
+    reader = workers_cache.cache("rollout", backend, where)
+    stream = reader.get_weights()
+    assert stream.version == 1, "the dead publisher's version went before a new one was in"
+    held = Mixed()
+    asyncio.run(ModuleSink(held).load(stream))
+    assert workers_cache.digests(held) == first
+    asyncio.run(owner.send_weights(ModuleSource(model), version=1))  # (its own version 1 now)
+    stream = reader.get_weights()
+    asyncio.run(ModuleSink(held).load(stream))
+    assert workers_cache.digests(held) == workers_cache.digests(model)
+    owner.finalize(destroy_group=True)

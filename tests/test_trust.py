@@ -74,3 +74,17 @@ def test_a_destination_moved_to_new_memory_of_its_shape_is_followed(port):
     for k, entries in enumerate(zip(*logs, strict=True), start=1):
         assert all("ok" in e for e in entries), (k, entries)
         assert entries[1]["wrong"] == [] and entries[2]["wrong"] == [], (k, entries)
+
+
+def test_an_older_version_is_refused_unless_meant(port):
+    trainer, rollout = spawn(workers_trust.rollback, 2, (port,), timeout=180)
+    assert trainer[0] == {"ok": 5} and rollout[0]["ok"] == 5
+    assert "version 3 is lower than version 5" in trainer[1]["error"]
+    assert "rollback=True" in trainer[1]["error"]
+    assert "version 3 is lower than version 5" in rollout[1]["error"] and rollout[1]["version"] == 5
+    assert trainer[2] == {"ok": 3} and rollout[2]["ok"] == 3 and rollout[2]["digest"] != rollout[0]["digest"]
+    # a restarted trainer sends version 2 to a rollout that serves 3: refused, nothing written
+    for side in (trainer[3], rollout[3]):
+        assert "serves version 3; the update carries version 2" in side["error"], side
+    assert rollout[3]["version"] is None or rollout[3]["version"] == 3
+    assert trainer[4] == {"ok": 4} and rollout[4]["ok"] == 4

@@ -240,3 +240,16 @@ def pull(backend: str, where: str, newer_than, conn) -> None:
         conn.send((stream.version, digests(model)))
     except Exception as e:  # noqa: BLE001 - reported to the test
         conn.send((None, f"{type(e).__name__}: {e}"))
+
+
+class _Raising:
+    """A source that raises midway (a trainer-side failure while publishing)."""
+
+    def __init__(self, source, after: int):
+        self.manifest, self._source, self._after = source.manifest, source, after
+
+    def __iter__(self):
+        for i, item in enumerate(self._source):
+            if i == self._after:
+                raise RuntimeError("the publisher failed midway")
+            yield item

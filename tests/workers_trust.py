@@ -3,6 +3,8 @@ user moves the memory of its tensors between updates."""
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 from torch import nn
 from workers import Mixed, _receive, _send
@@ -75,8 +77,6 @@ def sharded_destinations_checked(rank: int, port: int, change: str):
     block). Update 1 lands; then rollout rank 1 changes one destination (``change``) and
     update 2 must fail on every rank before any byte is written (rank 0's destinations
     untouched too); rank 1 puts it right and update 3 lands bitwise."""
-    import asyncio
-
     from workers_shards import expected, placements, rollout_params, weights
     torch.set_num_threads(1)
     T, R = 1, 2
@@ -124,5 +124,49 @@ def sharded_destinations_checked(rank: int, port: int, change: str):
                                                 if t.shape == before[n].shape and not torch.equal(
                                                     t.nan_to_num(7.0), before[n].nan_to_num(7.0))]
             out.append({"error": str(e), "written": same})
+    engine.finalize(destroy_group=True)
+    return out
+
+
+def rollback(rank: int, port: int):
+    """Versions that go down: refused unless meant (``rollback=True``), by the trainer that
+    sent the higher one, and by a rollout that serves it when a restarted trainer (which
+    remembers nothing) sends an older one."""
+    torch.set_num_threads(1)
+    role = "trainer" if rank == 0 else "rollout"
+
+    def formed(prefix: str, engine=None):
+        engine = engine or CheckpointEngineRegistry.new("gloo", bucket_size=1 << 14, timeout=30, role=role)
+        connect(engine, Rendezvous("127.0.0.1", port, rank, 2, timeout=60, prefix=prefix), 1, 1)
+        return engine
+
+    engine = formed("first")
+    model = Mixed()
+    out = []
+
+    def update(version, rollback=False, step=None):
+        try:
+            if rank == 0:
+                if step:
+                    model.step(step)
+                asyncio.run(engine.send_weights(ModuleSource(model), version=version, rollback=rollback))
+                out.append({"ok": version})
+            else:
+                got = _receive(engine)
+                out.append({"ok": engine.version, "digest": sorted(got.items())})
+        except WeightbusError as e:
+            out.append({"error": str(e), "version": engine.version})
+
+    update(5, step=1)
+    update(3, step=2)                 # lower, not meant: refused at the trainer, heard by the rollout
+    update(3, rollback=True)          # meant: lands
+    if rank == 0:                     # a restarted trainer: a new engine, no memory of version 3
+        engine.finalize(destroy_group=True)
+        engine = formed("second")
+    else:                             # the rollout stays, serving version 3
+        engine.finalize(destroy_group=True)
+        engine = formed("second", engine)
+    update(2, step=3)                 # lower than what the rollout serves: refused there, everywhere
+    update(4)
     engine.finalize(destroy_group=True)
     return out

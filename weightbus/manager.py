@@ -18,7 +18,7 @@ from typing import Any
 
 from weightbus import comm, config
 from weightbus.engines.api import CheckpointEngineRegistry, CheckpointEngineWithCache
-from weightbus.errors import UpdateFailed, WeightbusError, WeightSyncError
+from weightbus.errors import ConfigError, UpdateFailed, WeightbusError, WeightSyncError
 from weightbus.runtime.group import Pending, WorkerError, WorkerGroup
 
 
@@ -257,16 +257,20 @@ class CheckpointEngineManager:
         return out
 
     # --- the update -----------------------------------------------------------------------
-    def update_weights(self, version: int | None = None) -> UpdateReport:
+    def update_weights(self, version: int | None = None, *, rollback: bool = False) -> UpdateReport:
         """Pause every replica, move the weights, resume. On failure every replica that is
         still alive is resumed (on the weights it holds) before this raises
         :class:`UpdateFailed`, which names the cause and says which replica holds which
-        version (None: none, or a torn one)."""
+        version (None: none, or a torn one). A version lower than the last one is refused
+        here, before anything starts, unless ``rollback`` says it is meant."""
         self._sync_registry()
         if not self.replicas:
             raise WeightbusError("no rollout replica to update"
                                  + (f" (none is registered in {self.registry!r})" if self.registry else ""))
         version = self.version + 1 if version is None else config.version(version)
+        if version < self.version and not rollback:
+            raise ConfigError(f"version {version} is lower than version {self.version}, the last update: "
+                              f"update_weights({version}, rollback=True) if an older version is meant")
         report = UpdateReport(version, replicas=[r.name for r in self.replicas])
         clock = time.perf_counter()
 
@@ -289,7 +293,7 @@ class CheckpointEngineManager:
                 else:
                     report.linked = linked
             phase("setup")
-            sends = self.trainer.submit("wb_send", [(version,)] * self.trainer.size)
+            sends = self.trainer.submit("wb_send", [(version, rollback)] * self.trainer.size)
             recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
             # (elastic engines: a replica that dies in an update costs the trainers one whole
             # deadline when they agree the outcome with it, after the data path's own waits)

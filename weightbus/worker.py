@@ -152,7 +152,7 @@ class WeightbusWorker(EngineHost):
         """Restore rollout memory before the weights arrive (hybrid)."""
 
     # --- driven by the manager ----------------------------------------------------------------
-    async def wb_send(self, version: int) -> dict[str, Any]:
+    async def wb_send(self, version: int, rollback: bool = False) -> dict[str, Any]:
         assert self._wb_engine is not None, "wb_setup first"
         try:
             source: Any = self._quantized(self.weights_source())
@@ -160,7 +160,7 @@ class WeightbusWorker(EngineHost):
             source = _Unavailable(e)
         failed: dict[str, str] = {}
         try:
-            stats = await self._wb_engine.send_weights(source, version=version)
+            stats = await self._wb_engine.send_weights(source, version=version, rollback=rollback)
         except ReplicasFailed as e:  # an elastic engine reached the others: the manager sorts it out
             stats, failed = e.stats, e.failed  # type: ignore[assignment]
         self.weights_version = version

@@ -269,8 +269,12 @@ class CheckpointEngine(ABC):
         """Form (or re-form) the group; may be kept across updates."""
 
     @abstractmethod
-    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
-        """Send one version; every trainer rank calls it with the same ordered stream."""
+    async def send_weights(self, weights: Weights, *, version: int | None = None,
+                           rollback: bool = False) -> UpdateStats:
+        """Send one version; every trainer rank calls it with the same ordered stream. A
+        version lower than the one the group last agreed on (or that a rollout rank
+        serves) fails on every rank before a byte moves, naming both versions, unless
+        ``rollback`` says it is meant."""
 
     @abstractmethod
     def receive_weights(self, *, expected: Manifest | None = None) -> WeightStream:

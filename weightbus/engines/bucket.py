@@ -90,6 +90,7 @@ class BucketEngine(CheckpointEngine):
         self._token = ""
         self._ctl_rank = -1
         self._peers_fingerprint: int | None = None  # sender root: what the group has seen
+        self._rollback = False  # this update may carry an older version (send_weights(rollback=True))
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
@@ -232,9 +233,11 @@ class BucketEngine(CheckpointEngine):
                 fp = manifest.fingerprint
                 if self._peers_fingerprint != fp:
                     payload = manifest.to_bytes()
-                hdr[:5] = torch.tensor([buffers.MAGIC, version, fp, buffers.STATUS_OK, len(payload)])
+                hdr[:6] = torch.tensor([buffers.MAGIC, version, fp, buffers.STATUS_OK, len(payload),
+                                        int(self._rollback)])
         self._ctl_wait(comm.broadcast(self._ctl, hdr, root), "header")
-        magic, version, fp, status, n = hdr[:5].tolist()
+        magic, version, fp, status, n, rollback = hdr[:6].tolist()
+        self._rollback = bool(rollback)  # (a receiver: whether the sender meant an older version)
         if magic != buffers.MAGIC:
             raise self._fail("header", RuntimeError(f"bad magic {magic:#x} from the sender root"))
         if n:
@@ -350,15 +353,21 @@ class BucketEngine(CheckpointEngine):
         raise err
 
     # --- sender ------------------------------------------------------------------------
-    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+    async def send_weights(self, weights: Weights, *, version: int | None = None,
+                           rollback: bool = False) -> UpdateStats:
         self._check_ready("trainer")
         with self._exclusive("send_weights"):
             try:
                 version = self._next_version(version)
+                if not rollback and self.version is not None and version < self.version:
+                    raise ConfigError(f"version {version} is lower than version {self.version}, which the "
+                                      f"group last agreed on: pass rollback=True to send an older version; "
+                                      f"nothing was sent")
             except ConfigError as e:  # the receivers hear why at once, not at their deadline
                 with contextlib.suppress(Exception):  # (the header raises here too: ours is the error)
                     self._exchange_header(0, None, f"{self.where()}: {e}")
                 raise
+            self._rollback = rollback
             return await self._send_update(weights, version)
 
     async def _send_update(self, weights: Weights, version: int) -> UpdateStats:
@@ -576,10 +585,14 @@ class BucketEngine(CheckpointEngine):
                       ) -> tuple[float, int, Manifest, str | None]:
         """The header of an incoming update: (start time, version, manifest, error)."""
         start = time.perf_counter()
+        held = self.version
         version, manifest = self._exchange_header(0, None, None)
         self._begin(version)
         error = None
-        if expected is not None and not expected.same_tensors(manifest):
+        if held is not None and version < held and not self._rollback:
+            error = (f"{self.where()}: serves version {held}; the update carries version {version}, an older "
+                     f"one: send it with rollback=True if it is meant; nothing was written")
+        if error is None and expected is not None and not expected.same_tensors(manifest):
             error = (f"{self.where()}: the incoming weights (version {version}) differ from the "
                      f"expected manifest {expected.first_difference(manifest)}")
         if error is None and validate is not None:

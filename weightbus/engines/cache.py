@@ -80,7 +80,7 @@ from weightbus.engines.api import (
     check_sides,
 )
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
-from weightbus.errors import PlanError, WeightSyncError
+from weightbus.errors import ConfigError, PlanError, WeightSyncError
 from weightbus.plan import Manifest, TensorMeta
 
 #: torch dtype <-> safetensors dtype name
@@ -142,8 +142,10 @@ def _gone(mark: dict[str, Any]) -> bool:
         and not buffers._alive(pid)
 
 
-def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
-    """Remove cache directories under ``base`` whose owner process is gone; returns them."""
+def sweep_stale_caches(base: str = "/dev/shm", keep: str | None = None) -> list[str]:
+    """Remove cache directories under ``base`` whose owner process is gone; returns them.
+    ``keep``: one not to remove (the one a new publisher takes over: its versions stay
+    readable until the new publisher's first version is in)."""
     swept = []
     try:
         names = [n for n in os.listdir(base) if n.startswith(_PREFIX)]
@@ -151,6 +153,8 @@ def sweep_stale_caches(base: str = "/dev/shm") -> list[str]:
         return swept
     for n in names:
         path = os.path.join(base, n)
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            continue
         mark = _read_owner(path)
         if mark is not None and _gone(mark):
             shutil.rmtree(path, ignore_errors=True)
@@ -431,6 +435,8 @@ class CacheEngine(CheckpointEngineWithCache):
         self._ready = False
         self._owner = False
         self._made_root = False  # the publisher made the cache directory (finalize removes it)
+        #: a dead publisher's versions (of another job), removed once this one publishes
+        self._superseded: list[int] = []
         self._broken: set[tuple[int, int, int, int]] = set()  # files found broken (when not moved)
 
     @property
@@ -497,16 +503,19 @@ class CacheEngine(CheckpointEngineWithCache):
             return
         root = self.root
         if self.backend == "shm":
-            sweep_stale_caches(os.path.dirname(root))
+            sweep_stale_caches(os.path.dirname(root), keep=root)
         before = _read_owner(root)
+        if before is not None and before["pid"] != os.getpid() and _gone(before):
+            self._made_root = True  # (the directory is this owner's to remove now, as a made one)
         if before is not None and before["pid"] != os.getpid() and before.get("job") != self._stamp \
                 and _gone(before):
-            # (a dead publisher of another job: its versions are no version of this job)
-            for v in _versions(root):
-                with contextlib.suppress(OSError):
-                    os.unlink(_final(root, v))
-            _log.info("%s: took %s from a publisher that is gone (pid %s, job %r): its versions removed",
-                      self.where(), root, before["pid"], before.get("job"))
+            # (a dead publisher of another job: its versions are no version of this job. They
+            # go once this publisher's first version has committed, not before: until then
+            # they are what readers that take any job's newest can still read)
+            self._superseded = _versions(root)
+            _log.info("%s: took %s from a publisher that is gone (pid %s, job %r): its versions %s go "
+                      "once this one's first version is in", self.where(), root, before["pid"],
+                      before.get("job"), self._superseded)
         try:
             self._made_root = self._made_root or not os.path.isdir(root)
             os.makedirs(root, exist_ok=True)
@@ -552,9 +561,14 @@ class CacheEngine(CheckpointEngineWithCache):
                                   f"{'publish' if role == 'trainer' else 'read'}")
 
     # --- publish ----------------------------------------------------------------------------
-    async def send_weights(self, weights: Weights, *, version: int | None = None) -> UpdateStats:
+    async def send_weights(self, weights: Weights, *, version: int | None = None,
+                           rollback: bool = False) -> UpdateStats:
         self._check("trainer")
         version = self._next_version(version)
+        if not rollback and self.version is not None and version < self.version:
+            raise ConfigError(f"{self.where()}: version {version} is lower than version {self.version}, the "
+                              f"last one published: pass rollback=True to publish an older version (readers "
+                              f"take the newest the cache holds)")
         start = time.perf_counter()
         with self._exclusive("send_weights"):
             stream = resolve_stream(weights, None)
@@ -618,7 +632,8 @@ class CacheEngine(CheckpointEngineWithCache):
         """Make the written version visible at once, whole; drop the old ones."""
         try:
             version = config.version(version)
-            if version in _versions(self.root):
+            if version in _versions(self.root) and version not in self._superseded:
+                # (a dead publisher's version of the same number is replaced, atomically)
                 raise PlanError(f"{self.where()}: version {version} is in the cache already")
             path = writer.commit(self.root, version)
         except OSError as e:
@@ -627,6 +642,11 @@ class CacheEngine(CheckpointEngineWithCache):
         except BaseException:
             writer.abandon()
             raise
+        for old in self._superseded:  # (a dead publisher's, of another job: a version is in now)
+            if old != version:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_final(self.root, old))
+        self._superseded = []
         for old in _versions(self.root)[:-self.keep]:
             try:
                 os.unlink(_final(self.root, old))

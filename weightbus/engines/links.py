@@ -335,8 +335,9 @@ class LinkedEngine(BucketEngine):
             except WeightSyncError:
                 continue
 
-    async def send_weights(self, weights: Any, *, version: int | None = None) -> UpdateStats:
-        stats = await super().send_weights(weights, version=version)
+    async def send_weights(self, weights: Any, *, version: int | None = None,
+                           rollback: bool = False) -> UpdateStats:
+        stats = await super().send_weights(weights, version=version, rollback=rollback)
         if self._failed:
             reached = [x for x in self._links if x not in self._failed]
             raise ReplicasFailed(f"{self.where()}: version {stats.version} reached {len(reached)} "

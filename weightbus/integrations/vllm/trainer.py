@@ -183,7 +183,7 @@ class WeightbusTrainerEngine:
     def source(self, value: Any) -> None:
         self._source = _as_source(value)
 
-    def send_weights(self, version: int | None = None) -> Any:
+    def send_weights(self, version: int | None = None, *, rollback: bool = False) -> Any:
         """One update; returns weightbus's :class:`UpdateStats`. Raises
         :class:`WeightSyncError` on every trainer rank if any rank (or vLLM worker) failed;
         on rank 0 it names every vLLM worker that failed and its cause, and says whether
@@ -207,7 +207,7 @@ class WeightbusTrainerEngine:
         try:
             if pending is not None and pending.done():
                 pending.result()  # a bad request fails at once: do not wait in the send
-            stats = _run(self.engine.send_weights(self.source, version=version))
+            stats = _run(self.engine.send_weights(self.source, version=version, rollback=rollback))
         except BaseException as e:
             failure = e
             if not isinstance(e, WeightSyncError):  # interrupted mid-update: the group is unusable
