@@ -150,6 +150,9 @@ BAD = [  # argv, then what the one line must name: the option, the value, the fi
     (["demo", "--json", "/nonexistent/wb/rows.json"], "--json", "/nonexistent/wb", "does not exist"),
     (["demo", "--backend", "disk", "--cache-dir", "/nonexistent/wb"], "--cache-dir", "'/nonexistent/wb'",
      "not an existing directory"),
+    (["demo", "--backend", "disk", "--cache-dir", "/proc"], "--cache-dir", "'/proc'", "writable directory"),
+    (["demo", "--backend", "glo"], "--backend", "'glo'", "did you mean 'gloo'?"),
+    (["bench", "--scenario", "colocatd"], "--scenario", "'colocatd'", "did you mean 'colocated'?"),
     (["demo", "--backend", "shm", "--bucket-mb", "8"], "--bucket-mb", "--backend shm", "drop --bucket-mb"),
     (["demo", "--rollout", "vllm", "--steps", "0"], "--steps", "got 0", ">= 1"),
     (["demo", "--rollout", "vllm", "--dim", "64"], "--dim 64", "vllm", "multiple of 128"),
@@ -303,3 +306,47 @@ def test_the_demos_memory_check_counts_its_model():
     for dim, layers in ((64, 1), (512, 3)):
         model = TinyTransformer(8192, dim, layers)
         assert DemoConfig(dim=dim, layers=layers).params() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_mistyped_option_gets_the_nearest_one(nothing_starts, capsys):
+    err = _refused(["demo", "--backnd", "gloo"], capsys)
+    assert err == ("weightbus: error: unrecognized arguments: --backnd gloo; "
+                   "did you mean --backnd -> --backend?")
+
+
+def test_a_mistyped_backend_in_the_api_gets_the_nearest_name():
+    from weightbus import CheckpointEngineRegistry, WeightbusError
+    with pytest.raises(WeightbusError, match="did you mean 'nccl'"):
+        CheckpointEngineRegistry.new("ncl")
+    with pytest.raises(WeightbusError, match="registered: colocated") as e:
+        CheckpointEngineRegistry.new("qqqqqq")
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv", [["demo", *TINY[:0], "--steps", "200"],
+                                  ["bench", "--preset", "tiny", "--iters", "200"]], ids=["demo", "bench"])
+def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) mid-run: exit code 130 within
+    seconds, one line, no traceback from any process, no log file left, nothing in /dev/shm."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    shm = _shm()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    p = subprocess.Popen([WB, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    time.sleep(8)  # (start-up done: its worker processes are moving weights)
+    assert p.poll() is None, p.communicate()
+    t0 = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=20)
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    took = time.monotonic() - t0
+    assert p.returncode == 130, (p.returncode, out, err)
+    assert err.strip().splitlines() == ["weightbus: interrupted"], err
+    assert "Traceback" not in out + err
+    assert took < 5, took
+    assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    assert {n for n in _shm() - shm if not _owner_alive(n)} == set()

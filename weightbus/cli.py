@@ -24,10 +24,40 @@ if TYPE_CHECKING:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An error is one line (what is wrong and the fix), not the usage block before it."""
+    """An error is one line (what is wrong and the fix), not the usage block before it; a
+    mistyped option or choice gets the nearest one suggested."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(self, message)}\n")
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``; did you mean X?`` for a mistyped choice or option in ``message`` (argparse's)."""
+    import difflib
+    import re
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+        close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.5)
+        return f"; did you mean {close[0]!r}?" if close else ""
+    m = re.search(r"unrecognized arguments: (.*)", message)
+    if m:
+        options: set[str] = set()
+        parsers = [parser]
+        while parsers:
+            p = parsers.pop()
+            options.update(p._option_string_actions)
+            for action in p._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers.extend(action.choices.values())
+        hints = []
+        for tok in m.group(1).split():
+            if tok.startswith("-"):
+                close = difflib.get_close_matches(tok.split("=")[0], sorted(options), n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{tok} -> {close[0]}")
+        return f"; did you mean {', '.join(hints)}?" if hints else ""
+    return ""
 
 
 def _int(lo: int, hi: int | None = None, *, multiple: int = 1, what: str = "") -> Callable[[str], int]:
@@ -75,11 +105,15 @@ def _out_file(text: str) -> str:
 
 
 def _directory(text: str) -> str:
-    """An argparse type: an existing directory this process can write into."""
+    """An argparse type: an existing directory this process can make a directory in
+    (tried: permissions alone do not say it, e.g. for root in /proc)."""
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory: create it or give another")
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable for this user: give another directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".weightbus-probe-", dir=text))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot make a directory there ({e.strerror}): give a "
+                                         f"writable directory") from None
     return text
 
 
@@ -118,9 +152,13 @@ def _logs_to_file(verbose: bool) -> Iterator[None]:
     os.dup2(fd, 2)
     os.close(fd)
     failed = True
+    interrupted = False
     try:
         yield
         failed = False
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -129,7 +167,9 @@ def _logs_to_file(verbose: bool) -> Iterator[None]:
             os.close(held)
         with open(path, "rb") as f:
             lines = f.read().count(b"\n")
-        if lines or failed:
+        if interrupted:  # (what the ended workers said is no news: one line says it all)
+            os.unlink(path)
+        elif lines or failed:
             print(f"engine logs ({lines} lines, --verbose shows them here): {path}",
                   file=sys.stderr if failed else sys.stdout, flush=True)
         else:
@@ -525,7 +565,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:  # (every worker process was ended already: runtime.local.spawn)
+        print("weightbus: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -401,8 +401,11 @@ class CheckpointEngineRegistry:
         try:
             return cls._engines[name]
         except KeyError:
+            import difflib
+            close = difflib.get_close_matches(str(name), cls.names(), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise WeightbusError(f"unknown checkpoint engine backend {name!r}; registered: "
-                                 f"{', '.join(cls.names())}") from None
+                                 f"{', '.join(cls.names())}{hint}") from None
 
     @classmethod
     def options(cls, name: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -116,10 +117,31 @@ def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollou
 
 
 def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
+    # Ctrl-C is the parent's to handle (it ends every worker at once, see spawn); a worker
+    # told to end (SIGTERM) unwinds, so that what it made (shared memory) is released
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _unwind)
     try:
         out.put((rank, True, fn(rank, *args)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _end(procs: list[Any], within: float = 0.5) -> None:
+    """End worker processes: asked to unwind first, killed if they have not within ``within``."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    stop = time.monotonic() + within
+    for p in procs:
+        p.join(max(0.0, stop - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: float = 300.0,
@@ -127,7 +149,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes; return their results by rank.
 
     Raises :class:`WeightbusError` naming every rank that failed (with its traceback),
-    or that was still running after ``timeout`` seconds (it is killed). Ranks in
+    or that was still running after ``timeout`` seconds (it is killed). Ctrl-C (a
+    ``KeyboardInterrupt`` here) ends every worker within a second, then goes on. Ranks in
     ``allow_fail`` may fail or die; their entry is then the error text. Once a rank not
     in ``allow_fail`` has failed, the others get ``grace`` seconds to end (they usually
     wait on it: a rendezvous, a collective) before they are killed: the call fails then,
@@ -138,6 +161,27 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
+    try:
+        results, cut_short = _collect(procs, out, timeout, allow_fail, grace)
+    except KeyboardInterrupt:
+        _end(procs)
+        raise
+    for r, p in enumerate(procs):
+        if r not in results:
+            results[r] = (False, f"still running {grace:.0f}s after another rank failed: killed"
+                          if cut_short else f"still running after {timeout:.0f}s: killed")
+            p.kill()
+        p.join(5)
+    failed = {r: v for r, (ok, v) in results.items() if not ok and r not in allow_fail}
+    if failed:
+        raise WeightbusError("worker processes failed:\n" + "\n".join(
+            f"--- rank {r}: {v}" for r, v in sorted(failed.items())))
+    return [results[r][1] for r in range(nprocs)]
+
+
+def _collect(procs: list[Any], out: Any, timeout: float, allow_fail: frozenset[int], grace: float
+             ) -> tuple[dict[int, tuple[bool, Any]], bool]:
+    nprocs = len(procs)
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     cut_short = False  # a rank failed: the rest were given ``grace``
@@ -159,14 +203,4 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
             for r in exited:
                 results.setdefault(r, (False, f"process exited with code {procs[r].exitcode} "
                                               f"without a result"))
-    for r, p in enumerate(procs):
-        if r not in results:
-            results[r] = (False, f"still running {grace:.0f}s after another rank failed: killed"
-                          if cut_short else f"still running after {timeout:.0f}s: killed")
-            p.kill()
-        p.join(5)
-    failed = {r: v for r, (ok, v) in results.items() if not ok and r not in allow_fail}
-    if failed:
-        raise WeightbusError("worker processes failed:\n" + "\n".join(
-            f"--- rank {r}: {v}" for r, v in sorted(failed.items())))
-    return [results[r][1] for r in range(nprocs)]
+    return results, cut_short
