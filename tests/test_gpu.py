@@ -103,6 +103,59 @@ def test_colocated_direct_into_rollout_tensors(port):
     _check(port, "colocated", False, direct=True)
 
 
+def direct_moved_worker(rank: int, port: int):
+    """Direct mode: the rollout re-allocates one of its exported tensors (as a sleep that
+    frees weights does): the next update fails on both ranks before a byte is written,
+    naming the rollout; formed again (prepare), the group updates bitwise."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    role = "trainer" if rank == 0 else "rollout"
+    target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+                             device=device) for n, t in _weights(0, device).items() if t.numel()}
+    out = []
+
+    def formed(prefix):
+        engine = CheckpointEngineRegistry.new("colocated", bucket_size=1 << 20, device=device, timeout=60,
+                                              role=role)
+        if rank == 1:
+            engine.set_destinations(target)
+        connect(engine, Rendezvous("127.0.0.1", port, rank, 2, timeout=120, prefix=prefix), 1, 1)
+        assert engine._direct
+        return engine
+
+    def update(engine, k):
+        try:
+            if rank == 0:
+                w = {n: t for n, t in _weights(k, device).items() if t.numel()}
+                asyncio.run(engine.send_weights(ModuleSource(w, dtype=torch.bfloat16), version=k))
+                return {n: digest(t.to(torch.bfloat16 if t.is_floating_point() else t.dtype).cpu())
+                        for n, t in w.items()}
+            asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+            torch.cuda.synchronize()
+            return {n: digest(t.cpu()) for n, t in target.items()}
+        except Exception as e:  # noqa: BLE001
+            return str(e)
+
+    engine = formed("a")
+    out.append(update(engine, 1))
+    if rank == 1:
+        target["odd"].data = torch.zeros_like(target["odd"])  # new memory under the same tensor
+    out.append(update(engine, 2))
+    engine.finalize(destroy_group=True)
+    engine = formed("b")
+    out.append(update(engine, 3))
+    engine.finalize(destroy_group=True)
+    return out
+
+
+@needs_gpu
+def test_colocated_direct_refuses_destinations_that_moved(port):
+    trainer, rollout = spawn(direct_moved_worker, 2, (port,), timeout=300)
+    assert trainer[0] == rollout[0] and trainer[2] == rollout[2] and trainer[0] != trainer[2]
+    for side in (trainer[1], rollout[1]):
+        assert isinstance(side, str) and "moved since" in side and "nothing was written" in side, side
+
+
 def _mutate_some(w: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
     """Change ``fraction`` of every tensor's elements by one step of its bit pattern."""
     g = torch.Generator(device=next(iter(w.values())).device).manual_seed(seed)

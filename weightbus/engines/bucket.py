@@ -271,6 +271,12 @@ class BucketEngine(CheckpointEngine):
         """``t`` from control-group rank ``root`` to every rank."""
         self._ctl_wait(comm.broadcast(self._ctl, t, root), phase)
 
+    def _before_bytes(self, version: int, error: str | None) -> str | None:
+        """Every rank, after the header, before any byte moves: a last agreement (engines
+        that write into the receivers' own memory check that it is still where it was
+        said to be). Returns the update's error."""
+        return error
+
     def _reduce_max(self, t: torch.Tensor, phase: str) -> None:
         """Every rank of the update ends with the element-wise max of everyone's ``t``."""
         self._ctl_wait(comm.allreduce_max(self._ctl, t), phase)
@@ -389,6 +395,7 @@ class BucketEngine(CheckpointEngine):
             self._stream_manifest = stream.manifest
         if self._sharding:
             error = sharded.agree_layouts(self, manifest, version, error)
+        error = self._before_bytes(version, error)
         self._begin(version)
         error, wire, buckets = self._transfer(manifest, stream if error is None else None, version, error)
         _log.debug("%s: version %d: %d buckets out after %.3f s", self.where(), version, buckets,
@@ -602,6 +609,7 @@ class BucketEngine(CheckpointEngine):
                 error = f"{self.where()}: rejected version {version} before loading: {e}"
         if self._sharding:
             error = sharded.agree_layouts(self, manifest, version, error)
+        error = self._before_bytes(version, error)
         return start, version, manifest, error
 
     def _receive_iter(self, expected: Manifest | None, validate: Validator | None = None,

@@ -78,6 +78,7 @@ class ColocatedEngine(BucketEngine):
         self._acked = 0  # trainer: acks issued so far
         self.n_trainers = 1
         self._direct = False
+        self._exported: list[int] = []  # direct mode, rollout: where its exported tensors were
         self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
         self.rank = 0
@@ -103,6 +104,7 @@ class ColocatedEngine(BucketEngine):
             from torch.multiprocessing.reductions import reduce_tensor
             meta["direct"] = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                reduce_tensor(t.detach())) for n, t in self._dest.items()]
+            self._exported = self._pointers()  # (what the trainer will write through)
         return meta
 
     def set_destinations(self, named: Mapping[str, torch.Tensor], *, direct: bool = True) -> None:
@@ -472,6 +474,29 @@ class ColocatedEngine(BucketEngine):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
+
+    def _pointers(self) -> list[int]:
+        return [t.data_ptr() for t in (self._dest or {}).values()]
+
+    def _before_bytes(self, version: int, error: str | None) -> str | None:
+        """Direct mode: the trainer writes through the handles a rollout exported at
+        ``prepare()``. A rollout whose tensors moved since (``param.data = ...``, a sleep
+        that frees and re-allocates them) would have the trainer write into memory that is
+        no longer its tensors': every rank agrees before a byte moves, and the update fails
+        everywhere, naming the rank, until the group is formed again (``prepare()``)."""
+        if not self._direct:
+            return error
+        moved = self.role == "rollout" and self._pointers() != self._exported
+        if moved and error is None:
+            error = (f"{self.where()}: its destination tensors moved since prepare() exported them; "
+                     f"nothing was written: form the group again (prepare() and init_process_group on "
+                     f"every rank) after re-allocating them")
+        flags = torch.tensor([1 if moved else 0], dtype=torch.int64)
+        self._reduce_max(flags, "header (direct destinations)")
+        if flags.item() and error is None:
+            error = f"{self.where()}: a rollout rank's destinations moved since they were exported; " \
+                    f"nothing was written"
+        return error
 
     def _direct_misfit(self, manifest: Manifest) -> str | None:
         """Why ``manifest`` cannot be written into the paired rollout ranks' tensors (None if
