@@ -293,7 +293,9 @@ class CheckpointEngineManager:
                 else:
                     report.linked = linked
             phase("setup")
-            sends = self.trainer.submit("wb_send", [(version, rollback)] * self.trainer.size)
+            # (rollback travels only when meant: a worker's own wb_send(version) keeps working)
+            sends = self.trainer.submit("wb_send", [(version, True) if rollback else (version,)]
+                                        * self.trainer.size)
             recvs = [r.submit("wb_receive", [(version,)] * r.size) for r in self.replicas]
             # (elastic engines: a replica that dies in an update costs the trainers one whole
             # deadline when they agree the outcome with it, after the data path's own waits)
