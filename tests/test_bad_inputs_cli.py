@@ -348,5 +348,6 @@ def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, tmp_path):
     assert err.strip().splitlines() == ["weightbus: interrupted"], err
     assert "Traceback" not in out + err
     assert took < 5, took
-    assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    left = [f for f in tmp.iterdir() if f.name.startswith("weightbus")]  # (torch's caches may be there)
+    assert left == [], left
     assert {n for n in _shm() - shm if not _owner_alive(n)} == set()
