@@ -127,7 +127,7 @@ def test_refused_updates_recover(tp2, free_port):
             tr.each("train_step", step)  # the trainer moved on; vLLM must not see any of it
             tr.each("set_source", change)
             with pytest.raises(WeightSyncError, match=named) as err:
-                tr.update(step)
+                tr.update(10 + step)  # (versions only go up: an older one is a rollback)
             msg = str(err.value)
             assert KEPT in msg and "rollout rank 0" in msg and "rollout rank 1" in msg, (what, msg)
             assert digests(llm) == served, f"{what}: vLLM's weights changed"
