@@ -54,15 +54,16 @@ class ModuleSource:
     contract every engine accepts. Engines that know which trainer rank packs a tensor
     call :meth:`iter_for` instead, which gathers a sharded tensor only to that rank.
 
-    A source built once follows the module (or mapping) it was given, at every update:
-    a parameter whose memory was replaced (``p.data = t``, ``model.to(...)``,
-    ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` set on the module, an
-    entry of the mapping replaced) is read where it is now, checked by one pointer, shape
-    and identity pass over every tensor (C-level, no per-tensor Python step). A tensor that
-    no longer matches the manifest (another shape, another wire dtype, removed) fails the
-    update before a byte moves, naming it: build a new source for the new set of tensors.
-    A mapping of detached tensors (``model.state_dict()``) cannot be followed: pass the
-    module itself.
+    A source built once follows the module it was given, at every update: a parameter
+    whose memory was replaced (``p.data = t``, ``model.to(...)``,
+    ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` set on the module) is
+    read where it is now, found by an identity and a pointer pass over every tensor
+    (C-level, no per-tensor Python step). A tensor that no longer matches the manifest
+    (another shape, another wire dtype, removed) fails the update before a byte moves,
+    naming it: build a new source for the new set of tensors. A mapping's tensors are
+    held themselves (new memory given to one is followed; an entry replaced in the mapping
+    is not); a mapping of detached tensors (``model.state_dict()``) cannot follow the
+    module: pass the module itself.
     """
 
     def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor], *,
@@ -91,6 +92,7 @@ class ModuleSource:
             metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
         self.manifest = Manifest(metas)
         self._live = _Live(homes) if any(h is not None for h in homes) else None
+        self._followed = False  # plain_tensors() just followed: the next iteration need not
         # Tensors with no autograd (a module's state dict) are held by reference: the list
         # an engine packs from is built once, and stays what the manifest was made from
         # (an optimizer updates them in place). Parameters are detached per update instead,
@@ -145,16 +147,25 @@ class ModuleSource:
 
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
-        then packs straight from this list, with no per-tensor step; None otherwise."""
+        then packs straight from this list, with no per-tensor step; None otherwise. (An
+        engine reads it once per update, first: the iteration that follows it in the same
+        update does not look again.)"""
         self.follow()
+        self._followed = True
         if self._plain is not None:
             return self._plain
         if any(_is_dtensor(t) for _, t in self._items):
             return None
         return [_detached(t) for _, t in self._items]
 
+    def _follow_once(self) -> None:
+        if self._followed:
+            self._followed = False
+        else:
+            self.follow()
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.follow()
+        self._follow_once()
         for name, t in self._items:
             yield name, t.full_tensor() if _is_dtensor(t) else _detached(t)
 
@@ -164,7 +175,7 @@ class ModuleSource:
         its own dim-0 shard of an FSDP2 DTensor (the elements ``[offset, offset + len)`` of
         the flattened full tensor), or its 1/``world`` of a tensor every rank holds whole.
         Any other DTensor layout is gathered (collectively, on every rank) and split."""
-        self.follow()
+        self._follow_once()
         with torch.no_grad():
             for i, (_, t) in enumerate(self._items):
                 if _is_dtensor(t) and _gatherable(t):
@@ -189,7 +200,7 @@ class ModuleSource:
         ``into(i)`` may name where tensor i should land (wire dtype, full shape, e.g. the
         rollout's own parameter mapped over CUDA IPC): a gather to every rank then writes
         straight into it and the yielded tensor *is* that target."""
-        self.follow()
+        self._follow_once()
         group: list[tuple[int, str, Any, torch.Tensor]] = []  # gathers into targets, batched
         group_bytes = 0
         for i, (name, t) in enumerate(self._items):
@@ -285,10 +296,12 @@ _FLAT_ALIGN = 16
 def _homes(weights: Any, items: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, str]]:
     """Where each of ``items`` lives, to be read again at each update: for a module, the
     ``_parameters`` or ``_buffers`` dict of its owning submodule and the attribute name
-    (where the state dict's name resolves to the very same tensor); for a mapping, the
-    mapping itself and the key."""
+    (where the state dict's name resolves to the very same tensor). A mapping's tensors
+    are held themselves: new memory given to one of them (``t.data = ...``) is followed
+    with no check at all; an entry replaced in the mapping is not (no per-update pass
+    over a mapping of 100k small tensors: 27 ms here)."""
     if not isinstance(weights, nn.Module):
-        return {k: (weights, k) for k in items} if isinstance(weights, Mapping) else {}
+        return {}
     live = weights.state_dict(keep_vars=True)
     out: dict[str, tuple[Any, str]] = {}
     for name, t in live.items():
@@ -307,21 +320,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
-def _numels(present: list[Any]) -> np.ndarray:
-    return np.fromiter(map(torch.Tensor.numel, present), np.int64, len(present))
-
-
 class _Live:
     """The tensors a source was built from, where they live: checked at each update in a
-    few C-level passes (the objects by identity, their data pointers, their element
-    counts)."""
+    few C-level passes (the objects by identity, their data pointers)."""
 
     def __init__(self, homes: list[tuple[Any, str] | None]):
         self.index = [i for i, h in enumerate(homes) if h is not None]
         self.tables = [homes[i][0] for i in self.index]  # type: ignore[index]
         self.keys = [homes[i][1] for i in self.index]  # type: ignore[index]
         self._objs: list[Any] = []
-        self._ptrs = self._numels = np.zeros(0, np.int64)
+        self._ptrs = np.zeros(0, np.int64)
         self.seen()
 
     def _scan(self) -> tuple[list[Any], list[Any], np.ndarray]:
@@ -346,21 +354,17 @@ class _Live:
 
     def seen(self) -> None:
         """Take the tensors as they are now as the ones followed."""
-        self._objs, present, self._ptrs = self._scan()
-        self._numels = _numels(present)
+        self._objs, _, self._ptrs = self._scan()
 
     def changed(self) -> list[tuple[int, torch.Tensor | None]]:
-        """``(item index, tensor now)`` of every tensor replaced since :meth:`seen` (a new
-        object, new memory, or as many elements no more: ``.shape`` costs microseconds a
-        tensor, ``numel`` a fraction of one)."""
-        objs, present, ptrs = self._scan()
-        numels = _numels(present)
-        if all(map(operator.is_, objs, self._objs)) and np.array_equal(ptrs, self._ptrs) \
-                and np.array_equal(numels, self._numels):
+        """``(item index, tensor now)`` of every tensor replaced since :meth:`seen`: a new
+        object, or new memory (what ``.data =`` gives; a tensor's shape is read only where
+        one of these changed: ``.shape`` costs microseconds a tensor)."""
+        objs, _, ptrs = self._scan()
+        if all(map(operator.is_, objs, self._objs)) and np.array_equal(ptrs, self._ptrs):
             return []
         return [(self.index[k], objs[k]) for k in range(len(objs))
-                if objs[k] is None or objs[k] is not self._objs[k] or ptrs[k] != self._ptrs[k]
-                or numels[k] != self._numels[k]]
+                if objs[k] is None or objs[k] is not self._objs[k] or ptrs[k] != self._ptrs[k]]
 
 
 _NONE = torch.empty(0)
