@@ -332,18 +332,16 @@ class _Live:
         self._ptrs = np.zeros(0, np.int64)
         self.seen()
 
-    def _scan(self) -> tuple[list[Any], list[Any], np.ndarray]:
-        """The tensors now (None where one was removed), the same with a stand-in for
-        each removed one, and their data pointers."""
+    def _scan(self) -> tuple[list[Any], np.ndarray]:
+        """The tensors now (None where one was removed) and their data pointers."""
         try:
             objs = list(map(operator.getitem, self.tables, self.keys))
         except KeyError:
             objs = list(map(_get, self.tables, self.keys))
         try:
-            return objs, objs, self._pointers(objs)
-        except TypeError:  # (a removed one: None in its place)
-            present = [o if o is not None else _NONE for o in objs]
-            return objs, present, self._pointers(present)
+            return objs, self._pointers(objs)
+        except TypeError:  # (a removed one: None in its place, an empty stand-in for its pointer)
+            return objs, self._pointers([o if o is not None else _NONE for o in objs])
 
     @staticmethod
     def _pointers(present: list[Any]) -> np.ndarray:
@@ -354,13 +352,13 @@ class _Live:
 
     def seen(self) -> None:
         """Take the tensors as they are now as the ones followed."""
-        self._objs, _, self._ptrs = self._scan()
+        self._objs, self._ptrs = self._scan()
 
     def changed(self) -> list[tuple[int, torch.Tensor | None]]:
         """``(item index, tensor now)`` of every tensor replaced since :meth:`seen`: a new
         object, or new memory (what ``.data =`` gives; a tensor's shape is read only where
         one of these changed: ``.shape`` costs microseconds a tensor)."""
-        objs, _, ptrs = self._scan()
+        objs, ptrs = self._scan()
         if all(map(operator.is_, objs, self._objs)) and np.array_equal(ptrs, self._ptrs):
             return []
         return [(self.index[k], objs[k]) for k in range(len(objs))

@@ -310,11 +310,16 @@ class CheckpointEngine(ABC):
         finally:
             self._busy[direction] = False
 
-    def _next_version(self, version: Any) -> int:
-        """The version a send carries: the one given (checked), else one more than the last."""
+    def _next_version(self, version: Any, rollback: bool = False) -> int:
+        """The version a send carries: the one given (checked), else one more than the last.
+        One lower than the last is a :class:`ConfigError` unless ``rollback`` says it is meant."""
         if version is None:
             return config.version((self.version or 0) + 1, "the next version (the last one plus 1)")
-        return config.version(version)
+        version = config.version(version)
+        if not rollback and self.version is not None and version < self.version:
+            raise ConfigError(f"version {version} is lower than version {self.version}, the last one sent: "
+                              f"pass rollback=True to send an older version; nothing was sent")
+        return version
 
     def buffer_metadata(self) -> dict[str, Any]:
         """This rank's say in the bucket size and count (see :func:`agree_buffers`)."""

@@ -364,11 +364,7 @@ class BucketEngine(CheckpointEngine):
         self._check_ready("trainer")
         with self._exclusive("send_weights"):
             try:
-                version = self._next_version(version)
-                if not rollback and self.version is not None and version < self.version:
-                    raise ConfigError(f"version {version} is lower than version {self.version}, which the "
-                                      f"group last agreed on: pass rollback=True to send an older version; "
-                                      f"nothing was sent")
+                version = self._next_version(version, rollback)
             except ConfigError as e:  # the receivers hear why at once, not at their deadline
                 with contextlib.suppress(Exception):  # (the header raises here too: ours is the error)
                     self._exchange_header(0, None, f"{self.where()}: {e}")

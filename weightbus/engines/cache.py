@@ -80,7 +80,7 @@ from weightbus.engines.api import (
     check_sides,
 )
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
-from weightbus.errors import ConfigError, PlanError, WeightSyncError
+from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Manifest, TensorMeta
 
 #: torch dtype <-> safetensors dtype name
@@ -505,10 +505,10 @@ class CacheEngine(CheckpointEngineWithCache):
         if self.backend == "shm":
             sweep_stale_caches(os.path.dirname(root), keep=root)
         before = _read_owner(root)
-        if before is not None and before["pid"] != os.getpid() and _gone(before):
+        dead = before is not None and before["pid"] != os.getpid() and _gone(before)
+        if dead:
             self._made_root = True  # (the directory is this owner's to remove now, as a made one)
-        if before is not None and before["pid"] != os.getpid() and before.get("job") != self._stamp \
-                and _gone(before):
+        if dead and before.get("job") != self._stamp:  # type: ignore[union-attr]
             # (a dead publisher of another job: its versions are no version of this job. They
             # go once this publisher's first version has committed, not before: until then
             # they are what readers that take any job's newest can still read)
@@ -564,11 +564,7 @@ class CacheEngine(CheckpointEngineWithCache):
     async def send_weights(self, weights: Weights, *, version: int | None = None,
                            rollback: bool = False) -> UpdateStats:
         self._check("trainer")
-        version = self._next_version(version)
-        if not rollback and self.version is not None and version < self.version:
-            raise ConfigError(f"{self.where()}: version {version} is lower than version {self.version}, the "
-                              f"last one published: pass rollback=True to publish an older version (readers "
-                              f"take the newest the cache holds)")
+        version = self._next_version(version, rollback)  # (readers take the newest the cache holds)
         start = time.perf_counter()
         with self._exclusive("send_weights"):
             stream = resolve_stream(weights, None)

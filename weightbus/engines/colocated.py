@@ -46,7 +46,7 @@ from weightbus.engines.api import (
 )
 from weightbus.engines.bucket import BucketEngine
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
-from weightbus.errors import ConfigError, PlanError, WeightSyncError
+from weightbus.errors import PlanError, WeightSyncError
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 _DONE = object()
@@ -292,10 +292,7 @@ class ColocatedEngine(BucketEngine):
         if not self._local:
             return await super().send_weights(weights, version=version, rollback=rollback)
         self._check_local()
-        version = self._next_version(version)
-        if not rollback and self.version is not None and version < self.version:
-            raise ConfigError(f"{self.where()}: version {version} is lower than version {self.version}, "
-                              f"the last one sent: pass rollback=True to send an older version")
+        version = self._next_version(version, rollback)
         with self._exclusive("send_weights"):
             return await self._send_local(weights, version)
 
