@@ -12,8 +12,9 @@ same tensors from GPU memory inside its worker, one bulk copy of the bytes.
 ``--mode nccl``: trainer on GPU 0, vLLM on GPU 1. Rows: weightbus ``nccl``, vLLM's ``nccl``
 engine (packed), the bulk copy. A round trip is the trainer's whole update call (vLLM's
 start, update and finish included), median of ``--updates`` after one warm-up. vLLM's own
-engines are driven through their trainer API of vLLM 0.27+ (earlier vLLMs: those rows are
-left out, saying so); to spare an engine start per backend, the vLLM worker's engine is
+engines are driven through their trainer API (0.27-0.32), or on 0.26 through the static
+``trainer_send_weights`` of its engines with the same start/update/finish calls (0.24-0.25 and
+0.33: those rows are left out, saying so); to spare an engine start per backend, the vLLM worker's engine is
 swapped to vLLM's own backend by its own factory (``_use_backend``). Each weightbus row
 carries vLLM's worker-side split of one update (the loader's timing) and the top of a
 cProfile of the trainer and of the worker: where the time goes.
@@ -177,6 +178,50 @@ class _Client:
         self.llm.finish_weight_update()
 
 
+def _own_round_026(llm, backend: str, packed: bool, named: dict, port: int):
+    """One round trip through vLLM 0.26's own ``backend`` engine, as its examples drive it: the
+    trainer's static ``trainer_send_weights`` between the LLM's start and finish calls (the
+    worker runs the layerwise reload itself). Returns the round trip."""
+    import dataclasses
+    import threading
+
+    import torch
+    from vllm.distributed.weight_transfer import ipc_engine, nccl_engine
+    metas = {"names": list(named), "dtype_names": [str(t.dtype).split(".")[-1] for t in named.values()],
+             "shapes": [list(t.shape) for t in named.values()]}
+
+    def beside(fn, *args):  # a call into the engine that meets the trainer's half of a collective
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", fn(*args)), daemon=True)
+        th.start()
+        return th
+
+    if backend == "ipc":
+        args = ipc_engine.IPCTrainerSendWeightsArgs(
+            send_mode=lambda info: llm.update_weights({"update_info": dataclasses.asdict(info)}),
+            packed=packed)
+
+        def round_trip():
+            llm.start_weight_update()
+            ipc_engine.IPCWeightTransferEngine.trainer_send_weights(iter(named.items()), args)
+            llm.finish_weight_update()
+        return round_trip
+    th = beside(llm.init_weight_transfer_engine, {"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
+    group = nccl_engine.trainer_init({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+    th.join()
+    args = nccl_engine.NCCLTrainerSendWeightsArgs(group=group, packed=packed)
+
+    def round_trip():
+        llm.start_weight_update()
+        th = beside(llm.update_weights, {"update_info": {**metas, "packed": packed}})
+        nccl_engine.NCCLWeightTransferEngine.trainer_send_weights(iter(named.items()), args)
+        torch.cuda.synchronize()
+        th.join()
+        llm.finish_weight_update()
+    return round_trip
+
+
 def _vllm_source(named: dict):
     """The trainer's tensors (checkpoint names) as a vLLM ``WeightSource`` (0.27-0.32 form)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -291,8 +336,8 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
     # vLLM's own engines
     if not gpu:
         pass
-    elif v < (0, 27) or v >= (0, 33):
-        row("vLLM's own engines", None, [], note="driven through vLLM 0.27-0.32's trainer API; "
+    elif v < (0, 26) or v >= (0, 33):
+        row("vLLM's own engines", None, [], note="driven through vLLM 0.26-0.32's trainer API; "
             f"vLLM {vllm.__version__} left out")
     else:
         named = checkpoint_state_dict(model)  # checkpoint names, as vLLM loads them
@@ -305,6 +350,11 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
                 name = llm.collective_rpc(_use_backend, args=(backend,))[0]
                 factory = __import__("vllm.distributed.weight_transfer.factory", fromlist=["x"])
                 mod = __import__(f"vllm.distributed.weight_transfer.{backend}_engine", fromlist=["x"])
+                if v < (0, 27):
+                    send = _own_round_026(llm, backend, kw.get("packed", False), named, free_port())
+                    med, runs = _median_s(send, updates)
+                    row(label, med, runs, engine=name)
+                    continue
                 if backend == "ipc":
                     tinfo = mod.IPCTrainerInitInfo(rank=0, **kw)
                 else:

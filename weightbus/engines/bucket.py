@@ -91,6 +91,7 @@ class BucketEngine(CheckpointEngine):
         self._ctl_rank = -1
         self._peers_fingerprint: int | None = None  # sender root: what the group has seen
         self._rollback = False  # this update may carry an older version (send_weights(rollback=True))
+        self._header_said = 0  # the max of every rank's last header word (see _header_flag)
         self._manifests: dict[int, Manifest] = {}  # every rank: manifests seen, by fingerprint
         self._stream_manifest: Manifest | None = None  # plain-iterable streams
         self._plans: dict[tuple[int, int, int], BucketPlan] = {}
@@ -235,7 +236,15 @@ class BucketEngine(CheckpointEngine):
                     payload = manifest.to_bytes()
                 hdr[:6] = torch.tensor([buffers.MAGIC, version, fp, buffers.STATUS_OK, len(payload),
                                         int(self._rollback)])
-        self._ctl_wait(comm.broadcast(self._ctl, hdr, root), "header")
+        said = self._header_flag()
+        if said is None:
+            self._ctl_wait(comm.broadcast(self._ctl, hdr, root), "header")
+        else:  # the root's words, and the max of every rank's last word, in one all-reduce
+            if self._ctl_rank != root:
+                hdr[:-1] = torch.iinfo(torch.int64).min
+            hdr[-1] = said
+            self._ctl_wait(comm.allreduce_max(self._ctl, hdr), "header")
+        self._header_said = int(hdr[-1])
         magic, version, fp, status, n, rollback = hdr[:6].tolist()
         self._rollback = bool(rollback)  # (a receiver: whether the sender meant an older version)
         if magic != buffers.MAGIC:
@@ -270,6 +279,13 @@ class BucketEngine(CheckpointEngine):
     def _broadcast_ctl(self, t: torch.Tensor, root: int, phase: str) -> None:
         """``t`` from control-group rank ``root`` to every rank."""
         self._ctl_wait(comm.broadcast(self._ctl, t, root), phase)
+
+    def _header_flag(self) -> int | None:
+        """Every rank, before the header: a word it adds to the header (which then travels as
+        one all-reduce, the max of every rank's word in its last slot, ``_header_said``), or
+        None (a plain broadcast). What the sender must hear from the receivers before a byte
+        moves travels here at no extra round trip."""
+        return None
 
     def _before_bytes(self, version: int, error: str | None) -> str | None:
         """Every rank, after the header, before any byte moves: a last agreement (engines

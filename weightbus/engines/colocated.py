@@ -79,6 +79,7 @@ class ColocatedEngine(BucketEngine):
         self.n_trainers = 1
         self._direct = False
         self._exported: list[int] = []  # direct mode, rollout: where its exported tensors were
+        self._moved = False  # direct mode, rollout: they are elsewhere now (said in the header)
         self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
         self.rank = 0
@@ -475,24 +476,28 @@ class ColocatedEngine(BucketEngine):
     def _pointers(self) -> list[int]:
         return [t.data_ptr() for t in (self._dest or {}).values()]
 
-    def _before_bytes(self, version: int, error: str | None) -> str | None:
+    def _header_flag(self) -> int | None:
         """Direct mode: the trainer writes through the handles a rollout exported at
         ``prepare()``. A rollout whose tensors moved since (``param.data = ...``, a sleep
         that frees and re-allocates them) would have the trainer write into memory that is
-        no longer its tensors': every rank agrees before a byte moves, and the update fails
-        everywhere, naming the rank, until the group is formed again (``prepare()``)."""
+        no longer its tensors': each rollout rank says so in the header, so every rank knows
+        before a byte moves, and the update fails everywhere, naming the rank, until the
+        group is formed again (``prepare()``)."""
         if not self._direct:
+            return None
+        self._moved = self.role == "rollout" and self._pointers() != self._exported
+        return int(self._moved)
+
+    def _before_bytes(self, version: int, error: str | None) -> str | None:
+        if not self._direct or error is not None:
             return error
-        moved = self.role == "rollout" and self._pointers() != self._exported
-        if moved and error is None:
-            error = (f"{self.where()}: its destination tensors moved since prepare() exported them; "
-                     f"nothing was written: form the group again (prepare() and init_process_group on "
-                     f"every rank) after re-allocating them")
-        flags = torch.tensor([1 if moved else 0], dtype=torch.int64)
-        self._reduce_max(flags, "header (direct destinations)")
-        if flags.item() and error is None:
-            error = f"{self.where()}: a rollout rank's destinations moved since they were exported; " \
-                    f"nothing was written"
+        if self._moved:
+            return (f"{self.where()}: its destination tensors moved since prepare() exported them; "
+                    f"nothing was written: form the group again (prepare() and init_process_group on "
+                    f"every rank) after re-allocating them")
+        if self._header_said:
+            return f"{self.where()}: a rollout rank's destinations moved since they were exported; " \
+                   f"nothing was written"
         return error
 
     def _direct_misfit(self, manifest: Manifest) -> str | None:
