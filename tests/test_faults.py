@@ -217,7 +217,7 @@ def test_vllm_worker_outcomes_name_every_failure(port):
     """The outcomes a vLLM driver gathers from the group's store (real TCPStore): every
     failed worker named once per cause, a silent one named as such, torn vs kept."""
     from weightbus.comm import serve_store
-    from weightbus.integrations.vllm import outcomes
+    from weightbus.integrations import outcomes
     from weightbus.integrations.vllm.loader import KEPT
     store = serve_store(10)
     o = outcomes.Outcome

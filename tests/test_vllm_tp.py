@@ -4,7 +4,7 @@ update recovers, for a dense (Qwen3) and a MoE (Qwen3-MoE) model.
 vLLM's multiprocess executor passes on the first worker failure of a call and leaves the
 other workers' replies queued, so before weightbus stopped raising out of its workers, one
 refused update left a TP=2 replica failing every later call (see
-``weightbus.integrations.vllm.outcomes``). Each row of the fault matrix below ends with a
+``weightbus.integrations.outcomes``). Each row of the fault matrix below ends with a
 correct update whose greedy tokens equal transformers' on the trainer's weights:
 
 - refused updates (a renamed, missing, extra, mis-shaped or wrongly typed tensor): the

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from weightbus.integrations.outcomes import FAILED
 from weightbus.integrations.vllm.loader import VLLMModelLoader
-from weightbus.integrations.vllm.outcomes import FAILED
 from weightbus.plan import Manifest
 from weightbus.worker import EngineHost
 
@@ -44,7 +44,7 @@ class WeightbusWorkerExtension(EngineHost):
         """Run ``method`` with this rank's share of per-rank arguments. A failure comes
         back as ``{FAILED: reason}``, never as a raise: vLLM's executor would pass on the
         first failing worker's and leave the other workers' replies queued for the next
-        call (see :mod:`.outcomes`)."""
+        call (see :mod:`weightbus.integrations.outcomes`)."""
         rank = int(getattr(self, "rank", 0))
         a = tuple(args[rank]) if args else ()
         k = dict(kwargs[rank]) if kwargs else {}

@@ -30,9 +30,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus.errors import WeightbusError
+from weightbus.integrations.dryrun import CopyCounter, kind, loader_of, meta_copy, some
 from weightbus.integrations.vllm import compat
 from weightbus.integrations.vllm.placement import Placement, Recorder
 from weightbus.integrations.vllm.processing import (
@@ -356,7 +356,7 @@ def _loaders_key(model: torch.nn.Module) -> int:
     for mod in model.modules():
         for p in mod._parameters.values():
             if p is not None:
-                f = _unwrapped(_loader_of(p))
+                f = _unwrapped(loader_of(p))
                 out.append(id(getattr(f, "__func__", f)))
     return hash(tuple(out))
 
@@ -379,30 +379,10 @@ def _optional(layer: torch.nn.Module, param: str) -> bool:
     return param.endswith("_scale") and compat.is_deferred_attention(layer)
 
 
-class _CopyCounter(TorchDispatchMode):
-    """Counts elements written by ``copy_`` (a loader may narrow, then copy)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.copy_.default:
-            self.numel += args[0].numel()
-        return func(*args, **(kwargs or {}))
-
-
 def _unwrapped(loader: Any) -> Any:
     while getattr(loader, "__name__", "") == _WRAPPER:
         loader = loader.__wrapped__
     return loader
-
-
-def _loader_of(t: torch.Tensor) -> Any:
-    try:
-        return getattr(t, "weight_loader", None)
-    except Exception:  # noqa: BLE001 - vLLM parameters raise once their loader is deleted
-        return None
 
 
 def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
@@ -437,10 +417,10 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
     def stand_in_loader(key: int, original: Any, meta: torch.Tensor) -> Any:
         def load(param: Any, *args: Any, **kwargs: Any) -> Any:
             w = args[0] if args else kwargs.get("loaded_weight")
-            if isinstance(w, torch.Tensor) and _kind(w.dtype) != _kind(meta.dtype):
+            if isinstance(w, torch.Tensor) and kind(w.dtype) != kind(meta.dtype):
                 # a loader's copy_ would cast it silently (bools or integers into weights)
                 raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
-            with _CopyCounter() as counter:
+            with CopyCounter() as counter:
                 if recorder is None:
                     out = original(meta, *args, **kwargs)
                 else:
@@ -452,9 +432,9 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
         return load
 
     for key, (_, p) in params.items():
-        prev = _loader_of(p)
+        prev = loader_of(p)
         had = "weight_loader" in p.__dict__ or p.__dict__.get("_weight_loader") is not None
-        meta = p if p.is_meta else _meta_copy(p)
+        meta = p if p.is_meta else meta_copy(p)
         p.weight_loader = stand_in_loader(key, _unwrapped(prev or default_weight_loader), meta)
         patched.append((p, had, prev))
 
@@ -505,32 +485,11 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
                 and not _optional(owner[key][0], owner[key][2]):
             missing.append(name)
     if half:
-        return f"the update fills only part of {len(half)} parameter(s): {_some(half)}"
+        return f"the update fills only part of {len(half)} parameter(s): {some(half)}"
     if missing and not partial:
-        return (f"the update leaves out {len(missing)} parameter(s) of the model: {_some(missing)} "
+        return (f"the update leaves out {len(missing)} parameter(s) of the model: {some(missing)} "
                 f"(pass partial=True to allow partial updates)")
     return None
-
-
-def _kind(dtype: torch.dtype) -> str:
-    """Which values a dtype holds: a loader may cast within a kind (fp32 -> bf16, fp8),
-    never across kinds."""
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    return "float" if dtype.is_floating_point else "int"
-
-
-def _meta_copy(t: torch.Tensor) -> torch.Tensor:
-    meta = t.data.to("meta")
-    meta.__class__ = t.__class__
-    meta.__dict__ = t.__dict__.copy()
-    return meta
-
-
-def _some(names: list[str], n: int = 5) -> str:
-    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 @contextlib.contextmanager

@@ -29,7 +29,8 @@ from vllm.distributed.weight_transfer.base import (
 from weightbus import config
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError
-from weightbus.integrations.vllm import compat, outcomes
+from weightbus.integrations import outcomes
+from weightbus.integrations.vllm import compat
 from weightbus.integrations.vllm.loader import KEPT, VLLMModelLoader
 from weightbus.integrations.vllm.processing import SelfCheck
 from weightbus.integrations.vllm.trainer import (  # (the trainer side, once imported from here)
@@ -127,7 +128,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
         return f"vLLM worker {self.rollout_rank}"
 
     def init_transfer_engine(self, init_info: WeightbusInitInfo) -> None:
-        # Nothing here raises into vLLM (see .outcomes): a failure once the rendezvous
+        # Nothing here raises into vLLM (see weightbus.integrations.outcomes): a failure once the rendezvous
         # store is reached is posted to the rendezvous, so every rank fails at once,
         # naming this worker; one before that leaves the trainer naming it as missing.
         with outcomes.recorded(self.rollout_rank, "init_weight_transfer_engine", []):
@@ -161,7 +162,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
     def start_weight_update(self) -> None:
         # the target is fixed now (vLLM may have pointed us at a draft model); the model
         # itself is touched only inside receive_weights. A failure here fails the update
-        # that follows, on every rank (never a raise into vLLM: see .outcomes).
+        # that follows, on every rank (never a raise into vLLM: see weightbus.integrations.outcomes).
         self._loader, self._start_error = None, None
         try:
             key = (id(self.model), self._partial)
@@ -177,7 +178,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
     def receive_weights(self, update_info: WeightbusUpdateInfo, load_weights: Any = None) -> None:
         """One update into the model. Never raises into vLLM: the outcome (with this
         worker's own cause, and whether its model kept the previous weights) goes to the
-        driver through the group's store (see :mod:`.outcomes`).
+        driver through the group's store (see :mod:`weightbus.integrations.outcomes`).
 
         ``load_weights`` is vLLM 0.24-0.25's: there vLLM's worker calls only this, so the
         update's start and finish run here, and vLLM must have been told the weights come
@@ -256,7 +257,7 @@ class WeightbusWeightTransferEngine(WeightTransferEngine[WeightbusInitInfo, Weig
             engine, self._engine, self._store = self._engine, None, None
             try:
                 engine.finalize(destroy_group=True)
-            except Exception as e:  # noqa: BLE001 - never into vLLM (see .outcomes); nothing left to do
+            except Exception as e:  # noqa: BLE001 - never into vLLM (see weightbus.integrations.outcomes); nothing left to do
                 _log.warning("weightbus: %s: finalizing the engine: %s", self.where(), e)
 
 

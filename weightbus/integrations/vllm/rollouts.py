@@ -36,8 +36,10 @@ from typing import Any
 
 from weightbus import comm, config
 from weightbus.errors import WeightbusError
-from weightbus.integrations.vllm import compat, outcomes
-from weightbus.runtime.group import Pending, WorkerError
+from weightbus.integrations import outcomes
+from weightbus.integrations.replicas import Call, EngineReplica
+from weightbus.integrations.vllm import compat
+from weightbus.runtime.group import Pending
 
 #: Pause modes vLLM knows: ``keep`` freezes in-flight requests (they continue after the
 #: update), ``abort`` ends them with finish reason ``abort``, ``wait`` lets them finish.
@@ -404,46 +406,7 @@ def sync_weights(engine: Any, client: RolloutClient, version: int | None = None,
 # ------------------------------------------------------------------ manager replicas
 
 
-class _Call:
-    """A pending call on a rollout, as the manager's :class:`Pending`; a worker's reply
-    ``{FAILED: reason}`` is that worker's failure (see :mod:`.outcomes`)."""
-
-    def __init__(self, name: str, method: str, fut: concurrent.futures.Future):
-        self.name, self.method, self.fut = name, method, fut
-
-    def result(self, timeout: float) -> list[Any]:
-        try:
-            replies = list(self.fut.result(timeout))
-        except concurrent.futures.TimeoutError:
-            raise WorkerError(self.name, self.method, {0: f"no answer within {timeout:.0f}s"},
-                              {0: "timed out"}) from None
-        except Exception as e:  # noqa: BLE001 - vLLM re-raises the worker's error
-            kind = "died" if "EngineDead" in type(e).__name__ else "raised"
-            raise WorkerError(self.name, self.method, {0: f"{type(e).__name__}: {e}"}, {0: kind}) from e
-        failed = {r: x[outcomes.FAILED] for r, x in enumerate(replies)
-                  if isinstance(x, dict) and outcomes.FAILED in x}
-        if failed:
-            raise WorkerError(self.name, self.method, failed, dict.fromkeys(failed, "raised"))
-        return replies
-
-
-class _ReplicaBase:
-    def __init__(self, name: str, size: int):
-        self.name, self._size = name, size
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"wb-{name}")
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def _submit(self, method: str, fn: Callable[[], Any]) -> Pending:
-        return _Call(self.name, method, self._pool.submit(lambda: [fn()] * self._size))
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class VLLMEngineReplica(_ReplicaBase):
+class VLLMEngineReplica(EngineReplica):
     """A :class:`Rollout` (a vLLM engine on the native ``weightbus`` backend) as one
     replica of :class:`weightbus.manager.CheckpointEngineManager`. ``mode`` overrides the
     manager's pause mode for this replica."""
@@ -490,8 +453,8 @@ class VLLMEngineReplica(_ReplicaBase):
 
     def _receive(self, version: int) -> dict[str, Any]:
         """One update; every worker's outcome read from the group's store (vLLM's own
-        call never carries a worker's failure: see :mod:`.outcomes`), vLLM's update closed
-        either way, a torn replica's version withdrawn."""
+        call never carries a worker's failure: see :mod:`weightbus.integrations.outcomes`),
+        vLLM's update closed either way, a torn replica's version withdrawn."""
         r, (addr, port, prefix, first) = self.rollout, self._group
         timeout = float(self._setup[1].get("timeout") or config.timeout(None))
         if self._store is None or self._store_of != (addr, port):
@@ -515,7 +478,7 @@ class VLLMEngineReplica(_ReplicaBase):
         return int(v) if v is not None and str(v).isdigit() else None
 
 
-class VLLMReplica(_ReplicaBase):
+class VLLMReplica(EngineReplica):
     """An offline ``vllm.LLM`` built with ``WeightbusWorkerExtension`` (the fallback for
     vLLMs without the native weight-transfer API) as one replica of the manager; its TP
     workers are the group's ranks."""
@@ -533,5 +496,5 @@ class VLLMReplica(_ReplicaBase):
             return self._submit(method, self.llm.reset_prefix_cache)
         args_l = [tuple(a) for a in args] if args else None
         kwargs_l = [dict(k) for k in kwargs] if kwargs else None
-        return _Call(self.name, method, self._pool.submit(
+        return Call(self.name, method, self._pool.submit(
             self.llm.collective_rpc, "wb_dispatch", args=(method, args_l, kwargs_l)))

@@ -30,7 +30,8 @@ import torch
 from weightbus.config import BUILTIN_TIMEOUT
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
-from weightbus.integrations.vllm import compat, outcomes
+from weightbus.integrations import outcomes
+from weightbus.integrations.vllm import compat
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.sources import ModuleSource
 

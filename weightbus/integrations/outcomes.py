@@ -1,5 +1,7 @@
-"""Every vLLM worker's outcome of a call, gathered without leaving a reply behind.
+"""Every inference-engine worker's outcome of a call, gathered without leaving a reply behind.
 
+Written for vLLM and used by every engine integration whose calls into its workers cannot
+carry a worker's failure back (SGLang's weight loaders crash its scheduler if they raise).
 vLLM's multiprocess executor answers a ``collective_rpc`` with the first worker failure it
 reads and leaves the other workers' replies queued: the next call into the engine then reads
 a stale reply (``Call to sleep method failed: Worker failed with error ...``), and so does
@@ -25,7 +27,7 @@ from typing import Any
 
 from weightbus.errors import as_timedelta
 
-_log = logging.getLogger("vllm.weightbus")
+_log = logging.getLogger("weightbus")
 #: The key of a worker's reply that reports a failure instead of raising it (the
 #: ``collective_rpc`` path of :class:`~.extension.WeightbusWorkerExtension`)
 FAILED = "weightbus_failed"
@@ -99,13 +101,13 @@ def gather(store: Any, prefix: str, call: str, version: int, ranks: Iterable[int
     return out
 
 
-def failure_of(outcomes: Iterable[Outcome], what: str) -> str | None:
+def failure_of(outcomes: Iterable[Outcome], what: str, engine: str = "vLLM") -> str | None:
     """One message naming every failed worker and its cause, and whether the model kept
     its previous weights; None if every worker succeeded."""
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return None
-    from weightbus.integrations.vllm.loader import KEPT
+    KEPT = f"{engine} kept its previous weights"  # noqa: N806 - as the loaders end their errors
     kept = all(o.kept for o in failed)
     by_cause: dict[str, list[int]] = {}  # (ranks that failed for one reason, named once)
     for o in failed:
@@ -114,12 +116,13 @@ def failure_of(outcomes: Iterable[Outcome], what: str) -> str | None:
                        for why, r in by_cause.items())
     state = KEPT if kept else "some layers may hold the new weights: the model is torn until a " \
                               "complete update"
-    return f"{what} failed on {len(failed)} vLLM worker(s): {causes} [{state}]"
+    return f"{what} failed on {len(failed)} {engine} worker(s): {causes} [{state}]"
 
 
 def settle(store: Any, prefix: str, version: int, ranks: Iterable[int], timeout: float,
            failure: BaseException | None, what: str, finish: Callable[[str | None], None],
-           mark_torn: Callable[[list[int]], None], seen: list[Outcome] | None = None) -> str | None:
+           mark_torn: Callable[[list[int]], None], seen: list[Outcome] | None = None,
+           engine: str = "vLLM") -> str | None:
     """The driver's end of an update, once vLLM's call has returned (or failed with
     ``failure``): every worker's outcome read (appended to ``seen``), vLLM's update closed
     with ``finish`` (the version only if every worker succeeded), the torn ranks handed
@@ -127,7 +130,7 @@ def settle(store: Any, prefix: str, version: int, ranks: Iterable[int], timeout:
     got = gather(store, prefix, "update", version, ranks, timeout if failure is None else 1.0)
     if seen is not None:
         seen.extend(got)
-    why = failure_of(got, what)
+    why = failure_of(got, what, engine)
     ok = why is None and failure is None
     if why is None:
         why = None if ok else f"{what} failed: {failure}"
@@ -139,5 +142,5 @@ def settle(store: Any, prefix: str, version: int, ranks: Iterable[int], timeout:
     except Exception as e:  # noqa: BLE001 - reported with the update's own failure
         if ok:
             raise
-        why = f"{why}; then closing vLLM's update failed too: {e}"
+        why = f"{why}; then closing {engine}'s update failed too: {e}"
     return why

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# SGLang on the GPU machine. SGLang's wheels travel as ../shared/sglang_gpu/README.md says
+# (installed into $SITE, default /tmp/site); this project is read from the checkout
+# (SGLang's workers import weightbus's hook by its dotted name: PYTHONPATH carries it).
+#
+#   bash benchmarks/sglang_gpu.sh tests            # tests/test_sglang_gpu.py: hybrid, nccl, tp2
+#   bash benchmarks/sglang_gpu.sh speed            # weightbus against SGLang's own paths
+#
+# Each piece runs in its own process group, ended by its id after it (a leaked engine keeps
+# its GPU memory). Logs and JSON rows go to $OUT (or ./results).
+set -uo pipefail
+OUT=${OUT:-results}; mkdir -p "$OUT"
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH=$PWD:$PWD/tests:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
+# SGLang sets NCCL_CUMEM_ENABLE=0 in its processes when unset; NCCL peers that differ in it hang
+export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+v=$(python3 -c 'import sglang; print(sglang.__version__)') || exit 1
+echo "SGLang $v, $(python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())')"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+
+run() {  # seconds, command...: in its own process group, ended by its id afterwards
+  local t=$1; shift
+  setsid timeout -k 5 "$t" "$@" &
+  local pid=$!
+  wait "$pid"; local rc=$?
+  kill -9 -- "-$pid" 2>/dev/null
+  return $rc
+}
+
+case "${1:-tests}" in
+tests)
+  WB_SGLANG_RESULTS=$OUT/sglang_cases_$v.jsonl WB_SGLANG_CASE_TIMEOUT=${CASE_S:-200} \
+    run "${CASES_S:-560}" python3 -m pytest -q -p no:cacheprovider -rA tests/test_sglang_gpu.py -k "${CASES:-}" \
+    > "$OUT/sglang_cases_$v.log" 2>&1
+  grep -E "passed|failed|PASSED|FAILED|SKIPPED" "$OUT/sglang_cases_$v.log" | tail -8
+  [ -f "$OUT/sglang_cases_$v.jsonl" ] && python3 - "$OUT/sglang_cases_$v.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["case"], "ok" if r.get("ok") else "FAILED", {k: r[k] for k in r if k in (
+        "engine_start_s", "updates", "checked", "refused", "error")})
+    if not r.get("ok"):
+        print((r.get("trace") or r.get("tail") or "")[-2500:])
+PY
+  ;;
+speed)
+  specs=("1.7b 28" "8b 36")
+  [ -n "${SPECS:-}" ] && IFS=, read -ra specs <<< "$SPECS"   # e.g. SPECS="1.7b 28,8b 36"
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    run "${SPEED_S:-280}" python3 benchmarks/sglang_gpu.py --preset "$1" --layers "$2" \
+      --json "$OUT/sglang_speed_$v.jsonl" > "$OUT/sglang_speed_${v}_$1.log" 2>&1 || echo "($spec: exit $?)"
+  done
+  python3 benchmarks/sglang_gpu.py --table "$OUT/sglang_speed_$v.jsonl"
+  ;;
+esac

@@ -1,0 +1,164 @@
+"""weightbus's SGLang sink on CPU (SGLang itself runs only on GPUs: `tests/test_sglang_gpu.py`).
+
+What runs here is everything of the sink that does not need SGLang: the hook SGLang calls
+in each TP worker (commands, a weightbus engine hosted there, the dry run through the
+model's own ``load_weights`` before a byte loads, outcomes posted to the group's store) and
+the replica the manager drives, against real weightbus engines (gloo) across processes:
+a trainer process, and two TP worker processes of a model with SGLang's loader conventions
+(``tests/sglang_toy.py``: fused q/k/v, stacked experts, TP slices). Weights change between
+updates; every TP rank's parameters are compared bitwise with what the model's own loaders
+make of the trainer's tensors."""
+
+import pytest
+import torch
+from sglang_toy import ToyEngine, ToyModel, checkpoint
+
+from weightbus.integrations.sglang import SGLangReplica, dry_run, engine_args
+from weightbus.manager import CheckpointEngineManager, UpdateFailed
+from weightbus.plan import Manifest, TensorMeta
+from weightbus.runtime.group import LocalWorkerGroup, call
+from weightbus.sources import ModuleSource
+from weightbus.worker import WeightbusWorker
+
+T = 60  # seconds, every wait
+
+
+class ToyTrainer(WeightbusWorker):
+    def __init__(self, rank, world):
+        torch.set_num_threads(1)
+        self.weights = checkpoint(0)
+        self.extra = {}
+
+    def step(self, seed):
+        for k, t in checkpoint(seed).items():
+            self.weights[k] = t
+
+    def set_extra(self, extra):
+        self.extra = extra
+
+    def tensors(self):
+        return dict(self.weights)
+
+    def weights_source(self):
+        return ModuleSource({**self.weights, **self.extra})
+
+
+def expected(weights, rank, tp):
+    model = ToyModel(rank, tp)
+    model.load_weights(weights.items())
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def manifest_of(named):
+    return Manifest(TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named.items())
+
+
+# ------------------------------------------------------------------ the dry run
+
+
+def test_dry_run_accepts_the_checkpoint_and_writes_nothing():
+    model = ToyModel(1, 2)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    assert dry_run(model, manifest_of(checkpoint(0))) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.weight_loader.__name__ != "load" if hasattr(p, "weight_loader") else True  # restored
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"q_proj.weight": None, "qproj.weight": (8, 8)}, "takes no parameter from 1 tensor"),  # (renamed)
+    ({"experts.5.up_proj.weight": (16, 8)}, "experts.5.up_proj.weight"),  # an expert the model lacks
+    ({"o_proj.weight": (9, 8)}, "o_proj.weight"),  # a shape the loader refuses
+    ({"norm.weight": (9,)}, "norm.weight"),
+    ({"norm.weight": None}, "leaves out 1 parameter"),
+    ({"experts.1.down_proj.weight": None}, "fills only part of 1 parameter"),
+])
+def test_dry_run_refuses_what_the_model_cannot_take(change, says):
+    named = checkpoint(0)
+    for name, shape in change.items():
+        named.pop(name, None)
+        if shape is not None:
+            named[name] = torch.zeros(shape)
+    why = dry_run(ToyModel(0, 2), manifest_of(named))
+    assert why is not None and says in why, why
+
+
+def test_dry_run_partial_allows_a_subset():
+    named = {k: v for k, v in checkpoint(0).items() if k.startswith("experts.")}
+    assert "leaves out" in dry_run(ToyModel(0, 2), manifest_of(named))
+    assert dry_run(ToyModel(0, 2), manifest_of(named), partial=True) is None
+
+
+def test_replica_is_checked_where_it_is_given(free_port):
+    class Bare:
+        server_args = type("A", (), {"tp_size": 1, "pp_size": 1, "dp_size": 1, "custom_weight_loader": []})
+    with pytest.raises(Exception, match="custom_weight_loader"):
+        SGLangReplica(Bare())
+    loaders = engine_args(model_path="m", custom_weight_loader=["a.b"])["custom_weight_loader"]
+    assert loaders == ["a.b", "weightbus.integrations.sglang.worker.hook"]
+
+
+# ------------------------------------------------------------------ across processes
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    from weightbus.comm import free_port
+    engine = ToyEngine(tp=2, port=free_port(), timeout=T)
+    trainer = LocalWorkerGroup(ToyTrainer, 1, name="trainer")
+    replica = SGLangReplica(engine, name="sglang0")
+    mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=T, pause_mode="wait")
+    yield engine, trainer, replica, mgr
+    mgr.shutdown()
+    trainer.shutdown()
+    replica.shutdown()
+    engine.shutdown()
+
+
+def assert_served(engine, trainer, tp=2):
+    weights = call(trainer, "tensors", timeout=T)[0]
+    for r in range(tp):
+        want = expected(weights, r, tp)
+        got = engine.params(r)
+        for n, t in want.items():
+            assert torch.equal(got[n], t), (r, n)
+
+
+def test_updates_land_bitwise_on_every_tp_rank(toy):
+    engine, trainer, replica, mgr = toy
+    flushes = engine.flushes
+    for step in (1, 2, 3):
+        call(trainer, "step", step, timeout=T)
+        report = mgr.update_weights(version=step)
+        assert report.version == step
+        assert_served(engine, trainer)
+        assert replica.weight_version() == step
+        assert mgr.versions() == {"sglang0": step}
+    assert engine.flushes - flushes == 3  # the cache of the old weights flushed with each update
+    digests = replica.digests()
+    assert len(digests) == 2 and set(digests[0]) == {"qkv_proj", "o_proj", "norm", "w13", "w2"}
+    assert digests[0]["qkv_proj"] != digests[1]["qkv_proj"]  # each rank its own slice
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"model.bogus.weight": torch.ones(4, 4)}, "takes no parameter"),
+    ({"o_proj.weight": torch.ones(9, 8)}, "o_proj.weight"),
+])
+def test_a_refused_update_keeps_weights_and_version_then_the_next_lands(toy, extra, says):
+    engine, trainer, replica, mgr = toy
+    call(trainer, "step", 10, timeout=T)
+    v = mgr.version + 1
+    mgr.update_weights(version=v)
+    held = engine.params(0)
+    call(trainer, "step", 11, timeout=T)
+    call(trainer, "set_extra", extra, timeout=T)
+    with pytest.raises(UpdateFailed, match=says) as e:
+        mgr.update_weights(version=v + 1)
+    assert "SGLang kept its previous weights" in str(e.value)
+    assert replica.weight_version() == v and mgr.versions() == {"sglang0": v}
+    for n, t in engine.params(0).items():
+        assert torch.equal(t, held[n]), n  # nothing written
+    call(trainer, "set_extra", {}, timeout=T)
+    mgr.update_weights(version=v + 2)
+    assert_served(engine, trainer)
+    assert replica.weight_version() == v + 2
