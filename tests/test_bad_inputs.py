@@ -97,6 +97,9 @@ CASES = [
     ("metadata-count", lambda: CollectiveEngine.build_topology(1, 2, [{"port": 1}]), WeightbusError, "metadata has 1 entries"),
     ("metadata-out-of-order", lambda: CollectiveEngine.build_topology(1, 1, [{"addr": "x"}, {"port": 1, "addr": "y"}]),
      WeightbusError, "metadata\\[0\\] must come from trainer rank 0"),
+    ("nccl-cumem-differs", lambda: CollectiveEngine.build_topology(1, 2, [
+        {"port": 1, "addr": "x", "token": "t", "nccl_cumem": "1"}, {"addr": "y", "nccl_cumem": "0"},
+        {"addr": "z", "nccl_cumem": "0"}]), WeightbusError, "'1' on rank 0; '0' on ranks 1, 2"),
     ("colocated-metadata-out-of-order", lambda: ColocatedEngine.build_topology(1, 1, [{"host": "h"}, {"slots": []}]),
      WeightbusError, "metadata\\[0\\] must come from trainer rank 0"),
     ("ranks-disagree-bucket", lambda: agree_buffers(1, [_meta(1 << 20), _meta(2 << 20)]), WeightbusError,

@@ -12,6 +12,7 @@ rollouts T..T+R-1):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +76,8 @@ class CollectiveEngine(BucketEngine):
     def prepare(self) -> dict[str, Any]:
         # buckets are allocated once the group agrees on their size (init_process_group)
         meta = {"addr": comm.local_address(), "device": str(self.device), **self.buffer_metadata()}
+        if self.pg_backend == "nccl":  # (checked by build_topology: NCCL hangs on a mismatch)
+            meta["nccl_cumem"] = os.environ.get("NCCL_CUMEM_ENABLE", "1")
         if self._shard_dests is not None:
             meta["sharded"] = True
         return self._store_metadata(meta)
@@ -89,6 +92,7 @@ class CollectiveEngine(BucketEngine):
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
         check_sides(trainer_world_size, rollout_world_size, metadata)
+        _check_nccl_cumem(metadata)
         master = metadata[0]
         if "port" not in master:
             raise PlanError("metadata[0] must come from trainer rank 0 (it holds the rendezvous store)")
@@ -223,3 +227,20 @@ class CollectiveEngine(BucketEngine):
 def _slot_of(b: Bucket | ShardBucket, num_buffers: int) -> int:
     """A receiver's slot for ``b``: by its position among the buckets this rank receives."""
     return (b.seq if isinstance(b, ShardBucket) else b.index) % num_buffers
+
+
+def _check_nccl_cumem(metadata: list[dict[str, Any]]) -> None:
+    """NCCL's peers must agree on ``NCCL_CUMEM_ENABLE`` (how they map each other's buffers):
+    ranks that differ hang while the communicator forms. Inference engines set it in their
+    own processes (SGLang and vLLM: 0) where a trainer may not; refused on every rank, naming
+    who holds which value, before any group forms."""
+    said = {r: m["nccl_cumem"] for r, m in enumerate(metadata) if "nccl_cumem" in m}
+    if len(set(said.values())) > 1:
+        by: dict[str, list[int]] = {}
+        for r, v in said.items():
+            by.setdefault(v, []).append(r)
+        raise PlanError("NCCL_CUMEM_ENABLE differs between the ranks of the nccl group ("
+                        + "; ".join(f"{v!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                                    for v, r in by.items())
+                        + "): NCCL hangs while forming such a group; set the same value in every process "
+                          "(SGLang and vLLM run with NCCL_CUMEM_ENABLE=0: export it for the trainer too)")
