@@ -363,8 +363,14 @@ class _Defaults(argparse.HelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``weightbus`` command's parser: every option with its help and its check."""
+#: the subcommands; each one's options are added (and what they import imported) only where
+#: the command line names it, so ``weightbus --help`` starts without torch
+COMMANDS = ("demo", "bench", "plan")
+
+
+def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
+    """The ``weightbus`` command's parser: every option of ``commands`` with its help and
+    its check (the other subcommands are listed, without their options)."""
     from weightbus import __version__
     p = _Parser(prog="weightbus", description="Move model weights from RL trainers to "
                 "rollout engines; demos and benchmarks.")
@@ -374,6 +380,22 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a small transformer with FSDP2 trainer ranks and send its weights "
                        "to rollout ranks after every optimizer step, each checked bitwise, next to the "
                        "floor of the same bytes measured in the same run.", formatter_class=_Defaults)
+    b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run",
+                       description="Model-shaped weight syncs, each next to its floor measured in the same "
+                       "run, every rollout tensor checked.", formatter_class=_Defaults)
+    q = sub.add_parser("plan", help="simulate a weight sync on a cluster you do not have; pick a backend",
+                       description="Plan a weight sync: the engines' own schedule (buckets, sharded "
+                       "regions, p2p trees) played over a cluster's links at the rates measured on our "
+                       "GPUs; seconds, bytes per NIC and NVLink, extra memory, the floor, per backend.",
+                       formatter_class=_Defaults)
+    for name, sp, add in (("demo", d, _demo_args), ("bench", b, _bench_args), ("plan", q, _plan_args)):
+        if name in commands:
+            add(sp)
+    return p
+
+
+def _demo_args(d: argparse.ArgumentParser) -> None:
+    """``weightbus demo``'s options (their choices import what they name: only when used)."""
     from weightbus.demo import HEADS
     from weightbus.engines.api import CheckpointEngineRegistry
     d.add_argument("--backend", default="gloo", choices=CheckpointEngineRegistry.names(),
@@ -401,11 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "in one line)")
     d.add_argument("--json", type=_out_file, metavar="FILE", help="also write the rows as JSON to this file")
     d.set_defaults(fn=_demo, parser=d)
+
+
+def _bench_args(b: argparse.ArgumentParser) -> None:
+    """``weightbus bench``'s options (their choices import what they name: only when used)."""
     from weightbus import presets
     from weightbus.bench import DISAGG_BACKENDS, SCENARIOS, TRAINER_DTYPES
-    b = sub.add_parser("bench", help="model-shaped syncs next to their floors, measured in one run",
-                       description="Model-shaped weight syncs, each next to its floor measured in the same "
-                       "run, every rollout tensor checked.", formatter_class=_Defaults)
     b.add_argument("--scenario", action="append", choices=SCENARIOS,
                    help="repeatable; default: every one this machine can run")
     b.add_argument("--preset", action="append", choices=presets.names(), metavar="PRESET",
@@ -441,12 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", type=_out_file, metavar="FILE",
                    help="draw weightbus next to its floor per row into this SVG file")
     b.set_defaults(fn=_bench, parser=b)
+
+
+def _plan_args(q: argparse.ArgumentParser) -> None:
+    """``weightbus plan``'s options (their choices import what they name: only when used)."""
+    from weightbus import presets
     from weightbus.cluster import CLUSTERS, MODELS
-    q = sub.add_parser("plan", help="simulate a weight sync on a cluster you do not have; pick a backend",
-                       description="Plan a weight sync: the engines' own schedule (buckets, sharded "
-                       "regions, p2p trees) played over a cluster's links at the rates measured on our "
-                       "GPUs; seconds, bytes per NIC and NVLink, extra memory, the floor, per backend.",
-                       formatter_class=_Defaults)
     q.add_argument("--cluster", choices=list(CLUSTERS), default="h100", help="the nodes' kind")
     q.add_argument("--nodes", type=_int(1, 100_000, what=" (nodes)"),
                    help="nodes (default: as many as the layout needs)")
@@ -486,7 +509,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write every backend's prediction as JSON: GB per sender, per rollout GPU and per "
                         "link, the parts of the time, the floor, the memory (and the sweep)")
     q.set_defaults(fn=_plan, parser=q)
-    return p
 
 
 def _model(text: str) -> str:
@@ -564,7 +586,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser((named,) if named in COMMANDS else ()).parse_args(argv)
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # (every worker process was ended already: runtime.local.spawn)
