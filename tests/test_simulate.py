@@ -260,6 +260,11 @@ def test_plan_cli_writes_every_rank_and_link_as_json(tmp_path):
     doc = json.loads(out.read_text())
     best = doc["predictions"][0]
     assert doc["recommended"]["backend"] == best["backend"] == "sharded"
+    assert doc["recommended"]["use"]["backend"] == "nccl"  # (what --backend and the API take)
+    from weightbus.engines.api import CheckpointEngineRegistry
+    from weightbus.planner import USE
+    for engine, _ in USE.values():
+        CheckpointEngineRegistry.get(engine)
     assert len(best["sent_gb"]) == 8 and len(best["received_gb"]) == 8 and best["link_gb"]
     assert len(doc["layout"]["rollout_gpus_by_rank"]) == 8 and [r["replicas"] for r in doc["sweep"]] == [1, 2]
 

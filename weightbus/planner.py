@@ -63,13 +63,31 @@ def table(q: Question, preds: list[Prediction], model: dict) -> str:
     best = preds[0]
     parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.parts.items() if v >= 5e-4)
     size = f"{_mib(best)} buckets" if best.buckets else "no buckets (written in place)"
+    engine, how = use(best.backend)
     lines += ["", f"recommended: {best.backend}, {size}: {best.seconds:.3f} s, {best.ratio:.2f}x the "
-              f"floor ({parts})"]
+              f"floor ({parts})", f"  use: backend {engine!r}" + (f" {how}" if how else "")]
     lines += [f"  {p.backend}: {'; '.join(p.notes)}" for p in preds if p.notes]
     if best.links:
         lines += ["", f"{best.backend}'s busiest links (GB, seconds at the link's rate):"]
         lines += [f"  {name:<28}{gb:>9.2f} GB{s:>9.3f} s" for name, gb, s in best.links]
     return "\n".join(lines)
+
+
+#: how each planned schedule is asked for: the engine's name (what ``--backend``,
+#: ``CheckpointEngineRegistry`` and the manager take) and what to set on it
+USE = {
+    "sharded": ("nccl", "with shard destinations on the rollout ranks (a rollout worker's "
+                        "weights_placements(), or engine.set_shard_destinations(); vLLM TP replicas "
+                        "receive sharded by default)"),
+    "colocated": ("colocated", "in direct mode (the rollout exports its tensors: "
+                               "engine.set_destinations(named, direct=True))"),
+    "colocated-ring": ("colocated", "with its ring of buckets (the default)"),
+}
+
+
+def use(schedule: str) -> tuple[str, str]:
+    """``(backend, how)``: the engine a planned schedule runs on, and what to set."""
+    return USE.get(schedule, (schedule, ""))
 
 
 def as_json(q: Question, preds: list[Prediction], model: dict,
@@ -86,7 +104,8 @@ def as_json(q: Question, preds: list[Prediction], model: dict,
                    "rollout_gpus_by_rank": [lay.rollout_gpu(r) for r in range(lay.rollouts)]},
         "model": {"name": q.model, **model, "fp8": q.fp8, "delta": q.delta, "verify_every": q.verify_every,
                   "trainer_dtype": str(q.trainer_dtype).removeprefix("torch.")},
-        "recommended": {"backend": preds[0].backend, "bucket_mb": preds[0].bucket_size >> 20},
+        "recommended": {"backend": preds[0].backend, "bucket_mb": preds[0].bucket_size >> 20,
+                        "use": {"backend": use(preds[0].backend)[0], "how": use(preds[0].backend)[1]}},
         "predictions": [{**asdict(p), "ratio": p.ratio} for p in preds],
         "sweep": [{"replicas": n, "backend": p.backend, "seconds": p.seconds, "floor_s": p.floor_s}
                   for n, p in sweep_rows or []],
