@@ -86,6 +86,9 @@ def test_bench_prints_progress_and_no_warnings():
     assert rc == 0, text
     assert "[1/1] hybrid-fsdp tiny (fp32 trainer): running" in text and "OK" in text
     assert "Warning" not in text
+    lines = text.splitlines()
+    first_row = next(i for i, line in enumerate(lines) if line.startswith("hybrid-fsdp "))
+    assert lines[first_row - 1].startswith("scenario "), text  # (a row never comes before its header)
 
 
 def test_join_fails_fast_naming_the_address_when_nothing_answers():

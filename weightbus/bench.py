@@ -731,7 +731,8 @@ def main_bench(configs: list[BenchConfig], json_path: str | None = None, plot_pa
             continue
         rows.append(row)
         log(f"{what}: done in {time.perf_counter() - t0:.0f} s")
-        log(format_table([row]).splitlines()[-1])
+        table = format_table([row]).splitlines()
+        log("\n".join(table) if len(rows) == 1 else table[-1])  # (the header above the first row)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(rows, f, indent=1, default=str)
