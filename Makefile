@@ -11,6 +11,9 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_OLD ?= 0.27.1
 VLLM_OLD_VENV ?= .venv-vllm-old
 VLLM_OLD_BIN := $(VLLM_OLD_VENV)/bin
+# what `make demo` needs and nothing else: torch (CPU) and weightbus
+DEMO_VENV ?= .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON_BIN := $(MEGATRON_VENV)/bin
 VERL_VENV ?= .venv-verl
@@ -35,8 +38,14 @@ $(BIN)/.installed: pyproject.toml
 	    apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; }; } || echo "libibverbs1 missing: mooncake tests will skip"
 	touch $@
 
-demo: $(BIN)/.installed
-	$(BIN)/weightbus demo
+$(DEMO_BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/pip install -q $(TORCH)
+	$(DEMO_BIN)/pip install -q -e .
+	touch $@
+
+demo: $(DEMO_BIN)/.installed
+	$(DEMO_BIN)/weightbus demo
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -109,4 +118,4 @@ test-vllm-old: $(VLLM_OLD_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_OLD_BIN)/python -m pytest -q -p no:logging tests/test_vllm_compat.py --durations=10
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info
