@@ -19,7 +19,12 @@ MEGATRON_BIN := $(MEGATRON_VENV)/bin
 VERL_VENV ?= .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 
-.PHONY: demo demo-vllm test test-vllm test-vllm-old test-megatron test-verl lint bench clean
+# the docs site (README as its home page, docs/*.md, the API from the docstrings), built
+# strict: a broken link or a docstring the generator cannot read fails
+docs: $(BIN)/.installed
+	$(BIN)/mkdocs build -q --strict -d site
+
+.PHONY: docs demo demo-vllm test test-vllm test-vllm-old test-megatron test-verl lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +54,7 @@ demo: $(DEMO_BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
+	$(MAKE) docs
 	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-megatron
 	$(MAKE) test-verl
