@@ -125,3 +125,10 @@ def test_demo_says_why_it_is_far_from_its_floor():
                        "--rollouts", "1")
     assert rc == 0 and "bitwise OK" in text
     assert "Why the ratio is far from 1 here" in text and "benchmarks/RESULTS.md" in text
+
+
+def test_the_demo_footer_speaks_of_the_backend_it_ran():
+    from weightbus.demo import at_scale_note
+    notes = {b: at_scale_note(b) for b in ("nccl", "colocated", "nixl", "mooncake", "shm")}
+    assert len(set(notes.values())) == len(notes), notes
+    assert "broadcast" in notes["nccl"] and "bulk copy" in notes["colocated"]

@@ -240,7 +240,7 @@ def _demo(args: argparse.Namespace) -> int:
     _check_demo(args, args.parser.error)
     if args.rollout == "vllm":
         return _demo_vllm(args)
-    from weightbus.demo import floor_note, run_demo
+    from weightbus.demo import at_scale_note, floor_note, run_demo
 
     cfg = _demo_config(args)
     where = f" (cache in {cfg.cache_dir or tempfile.gettempdir()})" if cfg.backend == "disk" else ""
@@ -259,11 +259,14 @@ def _demo(args: argparse.Namespace) -> int:
               f"{'bitwise OK' if r['verified'] else 'MISMATCH'}")
     print(textwrap.fill(floor_note(cfg.backend), 95))
     print("fsdp gather: the trainers' own gathering of their shards, included in 'seconds'.")
+    print(textwrap.fill("loss: each step trains on fresh random tokens (a stand-in workload, not meant to "
+                        "learn): it need not fall; what the demo checks is that every rollout rank holds "
+                        "the trainer's weights bitwise after every update.", 95))
     if rows and rows[0].get("floor_gbps"):
-        print("Why the ratio is far from 1 here: a small model (tens of MB) on a CPU whose processes share\n"
-              "its cores, so an update is dominated by fixed costs the floor does not pay (the FSDP\n"
-              "gathers, the header and status round trips, every rank's check). On GPUs with real\n"
-              "models the NCCL path runs at 1.13-1.24x of a raw broadcast: benchmarks/RESULTS.md.")
+        print(textwrap.fill("Why the ratio is far from 1 here: a small model (tens of MB) on a CPU whose "
+                            "processes share its cores, so an update is dominated by fixed costs the floor "
+                            "does not pay (the FSDP gathers, the header and status round trips, every rank's "
+                            f"check). {at_scale_note(cfg.backend)}", 95))
     return _verified(rows, args.json)
 
 
