@@ -285,3 +285,21 @@ def test_plan_cli_prices_the_delta_check_every_n_updates(tmp_path):
     assert verify[1] == pytest.approx(verify[0] / 4) and verify[2] == 0.0 < verify[1]
     bad = subprocess.run(base[:-2] + ["--verify-every", "4"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "give --delta too" in bad.stderr
+
+
+def test_sweep_plot_draws_every_backend_on_labelled_axes_at_true_positions():
+    import re
+
+    from weightbus.cluster import Layout, cluster
+    from weightbus.planner import Question, sweep_all, sweep_svg
+    q = Question(cluster("h100", 4), Layout(trainers=16, replicas=2, rollout_gpus=8), "30b-a3b")
+    rows = sweep_all(q, [1, 2, 16])
+    svg = sweep_svg(rows, "t")
+    backends = {p.backend for _, preds in rows for p in preds}
+    assert svg.count("<polyline") == len(backends) + 1  # (and the floor)
+    for name in backends:
+        assert f">{name}</text>" in svg
+    assert "seconds per update" in svg and "rollout replicas" in svg
+    tick = r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle">(?:1|2|16)<'
+    xs = sorted({float(x) for x in re.findall(tick, svg)})
+    assert len(xs) == 3 and abs((xs[2] - xs[1]) - 3 * (xs[1] - xs[0])) < 1.0  # log2: 1 -> 2 -> 16

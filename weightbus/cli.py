@@ -539,7 +539,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from weightbus.cluster import Layout, cluster
     from weightbus.errors import PlanError
-    from weightbus.planner import Question, answer, as_json, sweep, sweep_svg, sweep_text, table
+    from weightbus.planner import Question, answer, as_json, sweep_all, sweep_svg, sweep_text, table
 
     if args.plot and not args.sweep:
         args.parser.error("--plot draws the --sweep: give --sweep N,N,... too")
@@ -573,13 +573,14 @@ def _plan(args: argparse.Namespace) -> int:
                  bucket_sizes=tuple(mb << 20 for mb in (args.bucket_mb or [256, 1024])))
     preds, model = answer(q)
     print(table(q, preds, model))
-    rows = sweep(q, args.sweep) if args.sweep else None
-    if rows:
+    every = sweep_all(q, args.sweep) if args.sweep else None
+    rows = [(n, preds[0]) for n, preds in every] if every else None
+    if every and rows:
         print()
         print(sweep_text(rows))
         if args.plot:
             with open(args.plot, "w") as f:
-                f.write(sweep_svg(rows, f"{args.model} on {c.name}: seconds per update"))
+                f.write(sweep_svg(every, f"{args.model} on {c.name}: seconds per update"))
             print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:

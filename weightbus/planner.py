@@ -119,13 +119,18 @@ def _mib(p: Prediction) -> str:
 def sweep(q: Question, replicas: list[int]) -> list[tuple[int, Prediction]]:
     """The best backend's prediction for each number of replicas (the cluster grows by
     whole nodes to fit the layout)."""
+    return [(n, preds[0]) for n, preds in sweep_all(q, replicas)]
+
+
+def sweep_all(q: Question, replicas: list[int]) -> list[tuple[int, list[Prediction]]]:
+    """Every backend's prediction (best first) for each number of replicas."""
     out = []
     for n in replicas:
         lay = replace(q.layout, replicas=n)
         need = -(-lay.gpus_needed() // q.cluster.gpus_per_node)
         c = q.cluster.with_nodes(max(q.cluster.nodes, need))
         preds, _ = answer(replace(q, cluster=c, layout=lay))
-        out.append((n, preds[0]))
+        out.append((n, preds))
     return out
 
 
@@ -138,30 +143,59 @@ def sweep_text(rows: list[tuple[int, Prediction]], width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def sweep_svg(rows: list[tuple[int, Prediction]], title: str) -> str:
-    """Seconds (best backend) and the floor against the number of replicas, as an SVG
-    line plot (no plotting library needed)."""
-    w, h, left, bottom = 560, 300, 60, 40
-    xs = [n for n, _ in rows]
-    top = max(max(p.seconds, p.floor_s) for _, p in rows) * 1.1 or 1.0
+_COLORS = ("#3070c0", "#d06020", "#30a050", "#a040a0", "#c0a020", "#20a0b0")
 
-    def at(i: int, v: float) -> tuple[float, float]:
-        x = left + (w - left - 20) * (i / max(1, len(xs) - 1))
-        return x, h - bottom - (h - bottom - 30) * v / top
+
+def sweep_svg(rows: list[tuple[int, list[Prediction]]], title: str) -> str:
+    """Seconds per update of every backend, and the floor, against the number of replicas
+    (``sweep_all``'s rows), as an SVG line plot: the replica counts at their true places on
+    a log axis, seconds on a labelled linear axis (no plotting library needed)."""
+    import math
+    w, h, left, right, top_pad, bottom = 640, 360, 64, 150, 36, 48
+    xs = [n for n, _ in rows]
+    backends = sorted({p.backend for _, preds in rows for p in preds})
+    floor = [(n, min(p.floor_s for p in preds)) for n, preds in rows]
+    ymax = max(max(p.seconds for _, preds in rows for p in preds), max(f for _, f in floor)) * 1.08 or 1.0
+    lo, hi = math.log2(min(xs)), math.log2(max(xs))
+
+    def at(n: float, v: float) -> tuple[float, float]:
+        t = (math.log2(n) - lo) / (hi - lo) if hi > lo else 0.5
+        return left + (w - left - right) * t, h - bottom - (h - bottom - top_pad) * v / ymax
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
            f'font-size="11">', f'<text x="10" y="18" font-weight="bold">{title}</text>']
-    for key, color in (("seconds", "#3070c0"), ("floor_s", "#999999")):
-        points = (at(i, getattr(p, key)) for i, (_, p) in enumerate(rows))
-        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
-    for i, (n, p) in enumerate(rows):
-        x, y = at(i, p.seconds)
-        out.append(f'<text x="{x - 8:.1f}" y="{h - bottom + 15}">{n}</text>')
-        out.append(f'<text x="{x + 3:.1f}" y="{y - 4:.1f}">{p.seconds:.2f} s ({p.backend})</text>')
-    out += [f'<text x="{w / 2 - 40:.0f}" y="{h - 8}">rollout replicas</text>',
-            '<text x="10" y="40" fill="#3070c0">weightbus (best backend)</text>',
-            '<text x="10" y="54" fill="#999999">floor</text>', "</svg>"]
+    x0, y0 = at(min(xs), 0)
+    x1, _ = at(max(xs), 0)
+    out.append(f'<line x1="{left}" y1="{y0:.1f}" x2="{x1:.1f}" y2="{y0:.1f}" stroke="#444"/>')
+    out.append(f'<line x1="{left}" y1="{y0:.1f}" x2="{left}" y2="{top_pad}" stroke="#444"/>')
+    for k in range(6):  # y ticks
+        v = ymax * k / 5
+        _, y = at(min(xs), v)
+        out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#444"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>')
+    for n in xs:  # x ticks at the replica counts asked for
+        x, _ = at(n, 0)
+        out.append(f'<line x1="{x:.1f}" y1="{y0:.1f}" x2="{x:.1f}" y2="{y0 + 4:.1f}" stroke="#444"/>')
+        out.append(f'<text x="{x:.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{n}</text>')
+    mid = (top_pad + y0) / 2
+    out.append(f'<text x="{(left + x1) / 2:.0f}" y="{h - 10}" text-anchor="middle">'
+               f'rollout replicas (log scale)</text>')
+    out.append(f'<text x="14" y="{mid:.0f}" transform="rotate(-90 14 {mid:.0f})" '
+               f'text-anchor="middle">seconds per update</text>')
+    series = [(b, _COLORS[i % len(_COLORS)],
+               [(n, p.seconds) for n, preds in rows for p in preds if p.backend == b])
+              for i, b in enumerate(backends)] + [("floor", "#999999", floor)]
+    for i, (name, color, pts) in enumerate(series):
+        dash = ' stroke-dasharray="5,4"' if name == "floor" else ""
+        line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (at(n, v) for n, v in pts))
+        out.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>'
+                for x, y in (at(n, v) for n, v in pts)]
+        ly = top_pad + 14 * i
+        out.append(f'<line x1="{w - right + 12}" y1="{ly - 4}" x2="{w - right + 32}" y2="{ly - 4}" '
+                   f'stroke="{color}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{w - right + 36}" y="{ly}">{name}</text>')
+    out.append("</svg>")
     return "\n".join(out)
 
 
@@ -171,5 +205,5 @@ def check_model(model: str) -> str:
     return model
 
 
-__all__ = ["PlanError", "Question", "answer", "as_json", "check_model", "sweep", "sweep_svg", "sweep_text",
-           "table"]
+__all__ = ["PlanError", "Question", "answer", "as_json", "check_model", "sweep", "sweep_all", "sweep_svg",
+           "sweep_text", "table"]
