@@ -132,3 +132,13 @@ def test_the_demo_footer_speaks_of_the_backend_it_ran():
     notes = {b: at_scale_note(b) for b in ("nccl", "colocated", "nixl", "mooncake", "shm")}
     assert len(set(notes.values())) == len(notes), notes
     assert "broadcast" in notes["nccl"] and "bulk copy" in notes["colocated"]
+
+
+def test_the_demo_tells_each_step_as_it_happens():
+    from weightbus.demo import DemoConfig, run_demo
+    said = []
+    rows = run_demo(DemoConfig(trainers=1, rollouts=1, steps=2, dim=64, layers=1, vocab=256), said.append)
+    assert [r["verified"] for r in rows] == [True, True]
+    assert said[0] == "starting 2 processes" and said[1].startswith("group formed")
+    assert [s.split(":")[0] for s in said if s.startswith("update")] == ["update 1/2", "update 2/2"]
+    assert said[-1].startswith("measuring the floor")

@@ -136,13 +136,25 @@ def _backend_missing(name: str) -> str | None:
     return None
 
 
+def _progress_to(fd: int) -> Callable[[str], None]:
+    """A line per step of a long command, on the terminal ``fd`` is (nothing when it is not
+    one: a pipe or a file gets only the results)."""
+    if not os.isatty(fd):
+        return lambda line: None
+
+    def say(line: str) -> None:
+        os.write(fd, f"  ... {line}\n".encode())
+    return say
+
+
 @contextlib.contextmanager
-def _logs_to_file(verbose: bool) -> Iterator[None]:
+def _logs_to_file(verbose: bool) -> Iterator[Callable[[str], None]]:
     """Unless ``verbose``: what the demo's processes print while it runs (the engines' own
     logs and warnings; child processes inherit the descriptors) goes to a log file, named
-    in one line when it holds anything, so the table stays readable."""
+    in one line when it holds anything, so the table stays readable. Yields where to say
+    each step as it happens (the terminal, if there is one)."""
     if verbose:
-        yield
+        yield _progress_to(1)
         return
     fd, path = tempfile.mkstemp(prefix="weightbus-demo-", suffix=".log")
     sys.stdout.flush()
@@ -154,7 +166,7 @@ def _logs_to_file(verbose: bool) -> Iterator[None]:
     failed = True
     interrupted = False
     try:
-        yield
+        yield _progress_to(saved[0])
         failed = False
     except KeyboardInterrupt:
         interrupted = True
@@ -246,8 +258,8 @@ def _demo(args: argparse.Namespace) -> int:
     where = f" (cache in {cfg.cache_dir or tempfile.gettempdir()})" if cfg.backend == "disk" else ""
     print(f"weightbus demo: {cfg.trainers} FSDP2 trainer ranks (gloo) -> {cfg.rollouts} rollout "
           f"ranks over '{cfg.backend}'{where}, {cfg.steps} optimizer steps, bf16 on the wire", flush=True)
-    with _logs_to_file(args.verbose):
-        rows = run_demo(cfg)
+    with _logs_to_file(args.verbose) as progress:
+        rows = run_demo(cfg, progress)
     print(f"{'update':>6} {'loss':>8} {'MB':>8} {'seconds':>8} {'GB/s':>7} {'fsdp gather s':>13} "
           f"{'floor GB/s':>10} {'ratio':>6}  check")
     for r in rows:

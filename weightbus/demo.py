@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -157,6 +158,10 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
     engine: CheckpointEngine = CheckpointEngineRegistry.new(
         cfg.backend, role="trainer" if is_trainer else "rollout", timeout=cfg.timeout, **place)
     connect(engine, rdv, T, R)
+    def say(what: str) -> None:  # (trainer rank 0 tells; the parent prints every line in order)
+        if rank == 0:
+            rdv.store.set(f"{PROGRESS}/{rdv.store.add(PROGRESS, 1)}", what)
+    say(f"group formed over '{cfg.backend}'")
     rows = []
     for step in range(1, cfg.steps + 1):
         loss = _train_step(model, opt, step, cfg.vocab, rank) if is_trainer else 0.0
@@ -168,6 +173,7 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
             expected = {n: digest(t.to(source.wire_dtype(t))) for n, t in source}
             rows.append({"step": step, "loss": loss, "expected": expected if rank == 0 else None,
                          "seconds": stats.seconds, "bytes": stats.bytes})
+            say(f"update {step}/{cfg.steps}: {stats.bytes / 1e6:.1f} MB in {stats.seconds:.3f} s")
         else:
             sink = ModuleSink(model)
             t0 = time.perf_counter()
@@ -177,6 +183,7 @@ def _worker(rank: int, cfg: DemoConfig, port: int, train_port: int) -> dict[str,
             rows.append({"step": step, "got": got, "version": engine.version, "seconds": seconds,
                          "bytes": engine.last_stats.bytes if engine.last_stats else 0})
     nbytes = rdv.all_gather(rows[-1]["bytes"] if rank == 0 else None)[0]
+    say("measuring the floor (the same bytes over the raw path)")
     floor = _floor(engine, rdv, nbytes)
     gather = _gather_seconds(engine, model, rdv) if is_trainer else None
     if not is_trainer:
@@ -322,9 +329,31 @@ def _cache_floor(engine: CacheEngine, rdv: Rendezvous, nbytes: int) -> Callable[
     return run
 
 
-def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
+#: where trainer rank 0 says what the demo is doing (the parent prints it as it changes)
+PROGRESS = "demo/progress"
+
+
+def _watch(store: Any, progress: Callable[[str], None], stop: Any) -> None:
+    """Print every progress line trainer rank 0 posts, in order, until ``stop`` is set."""
+    said = 0
+    while True:
+        ending = stop.wait(0.2)  # (once told to stop: one last read, so no line is lost)
+        try:
+            posted = store.add(PROGRESS, 0)
+            lines = [store.get(f"{PROGRESS}/{i}").decode() for i in range(said + 1, posted + 1)]
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            return
+        for line in lines:
+            progress(line)
+        said = posted
+        if ending:
+            return
+
+
+def run_demo(cfg: DemoConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Runs the demo; returns one row per update. Raises if any rank failed or any
-    rollout rank's weights differ from the trainer's."""
+    rollout rank's weights differ from the trainer's. ``progress(line)`` hears each step
+    as it happens (the processes' start, each update, the floor)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if cfg.backend == "shm":  # a cache of this run's own (never another's), removed at the end
         cfg = replace(cfg, cache_root=CheckpointEngineRegistry.new(
@@ -335,10 +364,18 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
     train_store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     train_port = train_store.port
     del train_store  # frees the port for the trainers' own default group
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(store, progress, stop), daemon=True)
+    if progress is not None:
+        progress(f"starting {cfg.trainers + cfg.rollouts} processes")
+        watcher.start()
     try:
         results = spawn(_worker, cfg.trainers + cfg.rollouts, (cfg, store.port, train_port),
                         timeout=cfg.timeout * (cfg.steps + 3))
     finally:  # the owner removes it when it finalizes; not when a rank failed before that
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(2.0)
         if cfg.cache_root:
             shutil.rmtree(cfg.cache_root, ignore_errors=True)
     trainer0 = results[0]
