@@ -35,34 +35,3 @@ def test_public_names_load_when_used():
         assert getattr(weightbus, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         weightbus.Nope  # noqa: B018
-
-
-def _env_of(rank: int, key: str):
-    import os
-    return os.environ.get(key)
-
-
-def test_workers_take_the_parents_environment_as_it_is_when_they_start(monkeypatch):
-    """Local workers start from a fork server (started once, with the environment of then):
-    each still runs with its parent's environment as it is when the worker starts."""
-    from weightbus.runtime.group import LocalWorkerGroup, call
-    from weightbus.runtime.local import spawn
-    monkeypatch.delenv("WB_PROBE", raising=False)
-    assert spawn(_env_of, 1, ("WB_PROBE",)) == [None]
-    monkeypatch.setenv("WB_PROBE", "now")
-    assert spawn(_env_of, 2, ("WB_PROBE",)) == ["now", "now"]
-    group = LocalWorkerGroup(_Env, 1, env={"WB_OTHER": "given"})
-    try:
-        assert call(group, "get", "WB_PROBE", timeout=60) == ["now"]
-        assert call(group, "get", "WB_OTHER", timeout=60) == ["given"]
-    finally:
-        group.shutdown()
-
-
-class _Env:
-    def __init__(self, rank, world):
-        pass
-
-    def get(self, key):
-        import os
-        return os.environ.get(key)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import os
 import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing import connection
 from typing import Any, Protocol, runtime_checkable
 
+import torch.multiprocessing as mp
+
 from weightbus.errors import WeightbusError
-from weightbus.runtime.local import adopt_env, worker_context
 
 
 class WorkerError(WeightbusError):
@@ -62,11 +62,9 @@ def call(group: WorkerGroup, method: str, *args: Any, timeout: float, **kwargs: 
 # ------------------------------------------------------------------ local processes
 
 
-def _serve(cls: type, rank: int, world: int, init_args: tuple, init_kwargs: dict, conn: Any,
-           env: dict[str, str]) -> None:
+def _serve(cls: type, rank: int, world: int, init_args: tuple, init_kwargs: dict, conn: Any) -> None:
     """A worker process: build the user object, then run calls until told to stop.
     Coroutine methods run to completion on a private event loop."""
-    adopt_env(env)
     try:
         obj = cls(rank, world, *init_args, **init_kwargs)
         conn.send((0, True, None))
@@ -121,14 +119,13 @@ class LocalWorkerGroup:
     def __init__(self, cls: type, size: int, *args: Any, name: str | None = None,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None, **kwargs: Any):
         self.name = name or default_name(cls, size)
-        ctx = worker_context()
-        environ = {**os.environ, **(env or {})}
+        ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._ids = itertools.count(1)
         self._stash: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(size)]
         for r in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(cls, r, size, args, kwargs, child, environ), daemon=True,
+            p = ctx.Process(target=_serve, args=(cls, r, size, args, kwargs, child), daemon=True,
                             name=f"{self.name}-{r}")
             p.start()
             self._conns.append(parent)

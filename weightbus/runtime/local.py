@@ -116,36 +116,7 @@ def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollou
     return rdv
 
 
-#: what a worker process imports before it runs anything: the forkserver imports it once
-_PRELOAD = ["torch", "torch.distributed", "weightbus.engines", "weightbus.sources", "weightbus.sinks",
-            "weightbus.runtime.local"]
-
-
-def worker_context() -> Any:
-    """How this host's worker processes start: from a fork server that imported torch and
-    weightbus's engines once (a worker then starts in tens of milliseconds instead of the
-    seconds its imports take), where the platform has one; by spawning a fresh
-    interpreter where not, or where ``WEIGHTBUS_START_METHOD=spawn`` says so. Either way
-    a worker holds none of its parent's state but what it is given (no CUDA context, no
-    threads), and the parent's environment as it is when the worker starts
-    (:func:`adopt_env`): the fork server's own is the one it was started with."""
-    method = os.environ.get("WEIGHTBUS_START_METHOD") or \
-        ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def adopt_env(env: dict[str, str]) -> None:
-    """In a worker: take the parent's environment as it was when the worker started."""
-    if env != os.environ:
-        os.environ.clear()
-        os.environ.update(env)
-
-
-def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any, env: dict[str, str]) -> None:
-    adopt_env(env)
+def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
     # Ctrl-C is the parent's to handle (it ends every worker at once, see spawn); a worker
     # told to end (SIGTERM) unwinds, so that what it made (shared memory) is released
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -185,10 +156,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
     wait on it: a rendezvous, a collective) before they are killed: the call fails then,
     not at ``timeout``.
     """
-    ctx = worker_context()
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, args, out, env), daemon=True) for r in range(nprocs)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
     try:
