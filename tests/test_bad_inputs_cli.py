@@ -293,7 +293,7 @@ def test_a_backend_without_a_known_floor_prints_na_and_why(monkeypatch, nothing_
     monkeypatch.setattr(weightbus.demo, "FLOORS", {})  # as for an engine the demo knows no raw transfer of
     row = {"step": 1, "loss": 1.0, "bytes": 10**6, "seconds": 0.01, "gbps": 0.1, "gather_seconds": 0.0,
            "verified": True}
-    monkeypatch.setattr(weightbus.demo, "run_demo", lambda cfg: [row])
+    monkeypatch.setattr(weightbus.demo, "run_demo", lambda cfg, progress=None: [row])
     assert cli.main(["demo", *TINY]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("1 "))
