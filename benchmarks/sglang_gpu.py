@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
 import time
 
 import torch
+from engine_timing import bulk_copy_s, median_s
 
 from weightbus.worker import WeightbusWorker
 
@@ -77,40 +77,6 @@ class RandomTrainer(WeightbusWorker):
         return ModuleSource(_named(self.model))
 
 
-def _sync() -> None:
-    for d in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(d)
-
-
-def _median_s(fn, n: int) -> tuple[float, list[float]]:
-    fn()  # warm
-    runs = []
-    for _ in range(n):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs), runs
-
-
-def bulk_copy_s(nbytes: int, device, n: int = 5) -> float:
-    chunk = min(nbytes, 1 << 30)
-    src = torch.empty(chunk, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    full, rest = divmod(nbytes, chunk)
-
-    def run():
-        for _ in range(full):
-            dst.copy_(src)
-        if rest:
-            dst[:rest].copy_(src[:rest])
-    med, _ = _median_s(run, n)
-    src.resize_(0), dst.resize_(0)
-    torch.cuda.empty_cache()
-    return med
-
-
 def run(preset: str, layers: int, updates: int, json_path: str | None) -> list[dict]:
     import sglang as sgl
 
@@ -148,7 +114,7 @@ def run(preset: str, layers: int, updates: int, json_path: str | None) -> list[d
 
     def guarded(name: str, fn) -> None:
         try:
-            med, runs = _median_s(fn, updates)
+            med, runs = median_s(fn, updates)
             row(name, med, runs)
         except Exception as e:  # noqa: BLE001 - a row that failed says why
             row(name, None, [], note=f"{type(e).__name__}: {str(e)[:300]}")

@@ -13,21 +13,10 @@ OUT=${OUT:-results}; mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site}
 export PYTHONPATH=$PWD:$PWD/tests:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
 # SGLang sets NCCL_CUMEM_ENABLE=0 in its processes when unset; NCCL peers that differ in it hang
 export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
-v=$(python3 -c 'import sglang; print(sglang.__version__)') || exit 1
-echo "SGLang $v, $(python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())')"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
-
-run() {  # seconds, command...: in its own process group, ended by its id afterwards
-  local t=$1; shift
-  setsid timeout -k 5 "$t" "$@" &
-  local pid=$!
-  wait "$pid"; local rc=$?
-  kill -9 -- "-$pid" 2>/dev/null
-  return $rc
-}
+. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), no multicast
+v=$(say_versions SGLang sglang) || exit 1
 
 case "${1:-tests}" in
 tests)

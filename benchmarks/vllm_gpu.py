@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from engine_timing import bulk_copy_s, median_s
+
 PRESETS = {"8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b", "0.6b": "qwen3-0.6b"}
 
 
@@ -49,38 +51,6 @@ def _sync() -> None:
     import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _median_s(fn, n: int) -> tuple[float, list[float]]:
-    fn()  # warm
-    runs = []
-    for _ in range(n):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs), runs
-
-
-def bulk_copy_s(nbytes: int, device, n: int = 5) -> float:
-    """One bulk copy of ``nbytes`` on ``device`` (as 1 GiB copies: each at the full rate)."""
-    import torch
-    chunk = min(nbytes, 1 << 30)
-    src = torch.empty(chunk, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    full, rest = divmod(nbytes, chunk)
-
-    def run():
-        for _ in range(full):
-            dst.copy_(src)
-        if rest:
-            dst[:rest].copy_(src[:rest])
-    med, _ = _median_s(run, n)
-    src.resize_(0), dst.resize_(0)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return med
 
 
 # ------------------------------------------------------------------ inside vLLM's worker
@@ -308,7 +278,7 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
     def wb_update():
         version[0] += 1
         engine.send_weights(version[0])
-    med, runs = _median_s(wb_update, updates)
+    med, runs = median_s(wb_update, updates)
     timing = llm.collective_rpc(_loader_timing)[0]
     prof = {}
     if profile:
@@ -352,7 +322,7 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
                 mod = __import__(f"vllm.distributed.weight_transfer.{backend}_engine", fromlist=["x"])
                 if v < (0, 27):
                     send = _own_round_026(llm, backend, kw.get("packed", False), named, free_port())
-                    med, runs = _median_s(send, updates)
+                    med, runs = median_s(send, updates)
                     row(label, med, runs, engine=name)
                     continue
                 if backend == "ipc":
@@ -362,7 +332,7 @@ def run(preset: str, layers: int, mode: str, updates: int, profile: int, json_pa
                                                     master_port=free_port(), world_size=2, **kw)
                 own = factory.WeightTransferTrainerFactory.trainer_init(tinfo, client=_Client(llm),
                                                                         source=_vllm_source(named))
-                med, runs = _median_s(own.send_weights, updates)
+                med, runs = median_s(own.send_weights, updates)
                 row(label, med, runs, engine=name)
             except Exception as e:  # noqa: BLE001 - a row that failed says why
                 row(label, None, [], note=f"{type(e).__name__}: {str(e)[:300]}")

@@ -23,19 +23,8 @@ if [ ! -d "$WB/weightbus" ]; then
 fi
 export PYTHONPATH=$PWD:$WB:$SITE PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
-v=$(python3 -c 'import vllm; print(vllm.__version__)') || exit 1
-echo "vLLM $v, $(python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())')"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
-
-run() {  # seconds, command...: in its own process group, ended by its id afterwards
-  local t=$1; shift
-  setsid timeout -k 5 "$t" "$@" &
-  local pid=$!
-  wait "$pid"; local rc=$?
-  kill -9 -- "-$pid" 2>/dev/null
-  return $rc
-}
+. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), no multicast
+v=$(say_versions vLLM vllm) || exit 1
 
 case "${1:-tests}" in
 tests)

@@ -9,6 +9,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+from weightbus import comm, config
 from weightbus.integrations import outcomes
 from weightbus.runtime.group import Pending, WorkerError
 
@@ -38,11 +39,34 @@ class Call:
 
 class EngineReplica:
     """``size`` engine workers behind one handle; subclasses map the manager's calls
-    (``submit(method, args, kwargs)``) onto the engine."""
+    (``submit(method, args, kwargs)``) onto the engine. Kept here: the engine the manager
+    set up (``wb_setup``), where the group's rendezvous is and this replica's first rank
+    in it (``wb_connect``), and a connection to that store, where the workers' outcomes
+    are read."""
 
     def __init__(self, name: str, size: int):
         self.name, self._size = name, size
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"wb-{name}")
+        self._setup: tuple[str, dict[str, Any]] = ("gloo", {})
+        self._group: tuple[str, int, str, int] = ("", 0, "", 0)  # the manager's store; our first rank
+        self._store: Any = None
+        self._store_of: tuple[str, int] | None = None
+
+    def _set_up(self, method: str, args: Any) -> Pending:
+        """``wb_setup``: the backend and engine options every worker will build with."""
+        backend, _, engine_kwargs = args[0][:3]
+        self._setup = (backend, dict(engine_kwargs))
+        return self._submit(method, lambda: None)
+
+    def _timeout(self) -> float:
+        return float(self._setup[1].get("timeout") or config.timeout(None))
+
+    def _store_at(self, addr: str, port: int) -> Any:
+        """The group's rendezvous store, connected once per address."""
+        if self._store is None or self._store_of != (addr, port):
+            self._store = comm.connect_store(addr, port, self._timeout(), f"replica {self.name}")
+            self._store_of = (addr, port)
+        return self._store
 
     @property
     def size(self) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightbus import comm, config
 from weightbus.errors import ConfigError, WeightbusError
 from weightbus.integrations import outcomes
 from weightbus.integrations.replicas import EngineReplica
@@ -69,10 +68,6 @@ class SGLangReplica(EngineReplica):
         super().__init__(name, int(sa.tp_size))
         self.engine = engine
         self.mode = mode
-        self._setup: tuple[str, dict[str, Any]] = ("gloo", {})
-        self._group: tuple[str, int, str, int] = ("", 0, "", 0)  # the manager's store; our first rank
-        self._store: Any = None
-        self._store_of: tuple[str, int] | None = None
         self._paused = False
         self._mode_now = "abort"  # the pause the update runs under
         self._released: set[str] = set()
@@ -85,9 +80,7 @@ class SGLangReplica(EngineReplica):
     def submit(self, method: str, args: Sequence[tuple] | None = None,
                kwargs: Sequence[dict] | None = None) -> Pending:
         if method == "wb_setup":
-            backend, _, engine_kwargs = args[0][:3]  # type: ignore[index]
-            self._setup = (backend, dict(engine_kwargs))
-            return self._submit(method, lambda: None)
+            return self._set_up(method, args)
         if method == "wb_connect":
             return self._submit(method, lambda: self._connect(*args[0]))  # type: ignore[index]
         if method == "wb_receive":
@@ -171,15 +164,6 @@ class SGLangReplica(EngineReplica):
             self._released.difference_update(tags)
 
     # --- an update -----------------------------------------------------------------------------
-    def _timeout(self) -> float:
-        return float(self._setup[1].get("timeout") or config.timeout(None))
-
-    def _store_at(self, addr: str, port: int) -> Any:
-        if self._store is None or self._store_of != (addr, port):
-            self._store = comm.connect_store(addr, port, self._timeout(), f"replica {self.name}")
-            self._store_of = (addr, port)
-        return self._store
-
     def _connect(self, addr: str, port: int, prefix: str, rank: int, T: int, R: int) -> None:
         """Every TP worker joins the trainers' group (ranks ``rank`` on); a worker's failure
         is read from the store and raised here, naming it."""

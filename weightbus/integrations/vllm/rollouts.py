@@ -34,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightbus import comm, config
+from weightbus import config
 from weightbus.errors import WeightbusError
 from weightbus.integrations import outcomes
 from weightbus.integrations.replicas import Call, EngineReplica
@@ -415,18 +415,12 @@ class VLLMEngineReplica(EngineReplica):
         super().__init__(name or rollout.name, rollout.size)
         self.rollout = rollout
         self.mode = _check_mode(mode) if mode else None
-        self._setup: tuple[str, dict[str, Any]] = ("gloo", {})
-        self._group: tuple[str, int, str, int] = ("", 0, "", 0)  # the manager's store; our first rank
-        self._store: Any = None
-        self._store_of: tuple[str, int] | None = None
 
     def submit(self, method: str, args: Sequence[tuple] | None = None,
                kwargs: Sequence[dict] | None = None) -> Pending:
         r = self.rollout
         if method == "wb_setup":
-            backend, _, engine_kwargs = args[0][:3]  # type: ignore[index]
-            self._setup = (backend, dict(engine_kwargs))
-            return self._submit(method, lambda: None)
+            return self._set_up(method, args)
         if method == "wb_connect":
             addr, port, prefix, rank, T, R = args[0]  # type: ignore[index]
             info = {"master_address": addr, "master_port": port, "prefix": prefix,
@@ -456,17 +450,15 @@ class VLLMEngineReplica(EngineReplica):
         call never carries a worker's failure: see :mod:`weightbus.integrations.outcomes`),
         vLLM's update closed either way, a torn replica's version withdrawn."""
         r, (addr, port, prefix, first) = self.rollout, self._group
-        timeout = float(self._setup[1].get("timeout") or config.timeout(None))
-        if self._store is None or self._store_of != (addr, port):
-            self._store = comm.connect_store(addr, port, timeout, f"replica {self.name}")
-            self._store_of = (addr, port)
+        timeout = self._timeout()
+        store = self._store_at(addr, port)
         r.start_weight_update()
         failure: Exception | None = None
         try:
             r.update_weights({"version": version})
         except Exception as e:  # noqa: BLE001 - vLLM's own error (a dead engine, a deadline)
             failure = e
-        why = outcomes.settle(self._store, prefix, version, range(first, first + self.size), timeout, failure,
+        why = outcomes.settle(store, prefix, version, range(first, first + self.size), timeout, failure,
                               f"{self.name}: update to version {version}", r.finish_weight_update,
                               lambda torn: r.set_weight_version("none"))  # (loading had begun)
         if why is None:
