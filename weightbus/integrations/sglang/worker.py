@@ -186,15 +186,14 @@ class SGLangWorker:
         rank's slice), for checks against a reference load."""
         import hashlib
         done: list[outcomes.Outcome] = []
+        out: dict[str, str] = {}
         with outcomes.recorded(self.rank, "digest", done):
-            out = {}
             for name, p in model.named_parameters():
                 raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu()
                 out[name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
-            done[-1:] = []
-            done.append(outcomes.Outcome(self.rank, stats={"digests": out}))
         if self.store is not None:
-            outcomes.post(self.store, self.prefix, "digest", int(cmd["nonce"]), done[0])
+            outcome = dataclasses.replace(done[0], stats={"digests": out}) if done[0].ok else done[0]
+            outcomes.post(self.store, self.prefix, "digest", int(cmd["nonce"]), outcome)
 
     def close(self) -> None:
         if self.engine is not None:
