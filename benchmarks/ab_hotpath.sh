@@ -4,7 +4,8 @@
 # hosts) cancels. Older checkouts go under _old/<name>/ (ignored by git), e.g.
 #   for c in 26ec49a 0353599; do mkdir -p _old/$c && git archive $c weightbus | tar -x -C _old/$c; done
 #   ROWS="cd30 c30" SIDES="26ec49a 0353599 new 26ec49a 0353599 new" bash benchmarks/ab_hotpath.sh
-# ("new" is this checkout; a side named old reads _old/weightbus, as before).
+# ("new" is this checkout; a side named old reads _old/weightbus, as before; a side may add
+# one environment setting: new@WEIGHTBUS_DEVICE_COPY=0).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -23,8 +24,10 @@ args() { case $1 in
 esac; }
 for r in $ROWS; do
   for side in ${SIDES:-old new old new}; do
-    case $side in new) dir=$PWD ;; old) dir=$PWD/_old ;; *) dir=$PWD/_old/$side ;; esac
-    line=$(cd "$dir" && PYTHONPATH=$dir timeout 150 python -m weightbus.cli bench $(args $r) 2>&1 \
+    # (a side may name one environment setting after an @: new@WEIGHTBUS_DEVICE_COPY=0)
+    tree=${side%%@*}; setting=; [[ $side == *@* ]] && setting=${side#*@}
+    case $tree in new) dir=$PWD ;; old) dir=$PWD/_old ;; *) dir=$PWD/_old/$tree ;; esac
+    line=$(cd "$dir" && env $setting PYTHONPATH=$dir timeout 150 python -m weightbus.cli bench $(args $r) 2>&1 \
       | grep -E "^(colocated|disagg|hybrid|  sharded)" | tail -2 | tr -s ' ' | tr '\n' ' ')
     echo "$r $side: $line"
   done

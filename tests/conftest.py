@@ -10,11 +10,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
-    """Without a GPU, delta mode's Triton kernels run under Triton's interpreter
-    (tests/test_delta.py): it is chosen as Triton is imported, and other tests (torch's
-    compile stack) may import it first. Only where test_delta.py may run: the vLLM venv's
-    own tests leave vLLM's Triton as it is."""
-    delta = any(os.path.isdir(a) or "test_delta" in a for a in config.args)
+    """Without a GPU, delta mode's and the copy list's Triton kernels run under Triton's
+    interpreter (tests/test_delta.py, tests/test_device_copy.py): it is chosen as Triton
+    is imported, and other tests (torch's compile stack) may import it first. Only where
+    those may run: the vLLM venv's own tests leave vLLM's Triton as it is."""
+    triton_tests = ("test_delta", "test_device_copy")
+    delta = any(os.path.isdir(a) or any(t in a for t in triton_tests) for a in config.args)
     if delta and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 

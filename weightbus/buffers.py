@@ -315,11 +315,25 @@ class _HostCopy:
         return True
 
 
+def _device_copy(dsts: list[torch.Tensor]) -> Any:
+    """The GPU's counterpart of :class:`_HostCopy` for ``dsts``: one Triton launch over a
+    chunk table (:mod:`weightbus.copy_triton`), or None where it does not apply (not one
+    GPU, no Triton, or ``WEIGHTBUS_DEVICE_COPY=0``, which keeps torch's multi-tensor copy)."""
+    if not dsts or dsts[0].device.type != "cuda" or os.environ.get("WEIGHTBUS_DEVICE_COPY", "1") == "0":
+        return None
+    try:
+        from weightbus import copy_triton  # (Triton imported on first use: slow to import)
+    except ImportError:
+        return None
+    return copy_triton.DeviceCopy(dsts) if copy_triton.DeviceCopy.usable(dsts) else None
+
+
 class CopyList:
     """A fixed list of destinations (views made once), filled from sources given per call,
     or from ``srcs`` given once (fixed sources: :meth:`run` with none): the small ones in
-    one multi-tensor call (on the CPU, where the types match, one native call of byte
-    copies), the large ones a native copy each."""
+    one native call over a table of them (on the CPU, where the types match, a byte copy
+    per pair in C; on a GPU, one Triton launch over a chunk table), else one multi-tensor
+    call; the large ones a native copy each."""
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor] | None = None):
         self.dsts = dsts
@@ -332,7 +346,8 @@ class CopyList:
         else:
             self.small, self.small_dsts = None, dsts
         lib = native.copy_library() if _HostCopy.usable(self.small_dsts) else None
-        self._host = _HostCopy(lib, self.small_dsts) if lib is not None else None
+        self._host: Any = _HostCopy(lib, self.small_dsts) if lib is not None \
+            else _device_copy(self.small_dsts)
         self._fixed_small = self._small_srcs(srcs) if srcs is not None else None
         # fixed sources (a slot's views) are read and checked once, here
         self._fixed_host = self._host is not None and self._fixed_small is not None \
