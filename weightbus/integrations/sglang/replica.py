@@ -210,7 +210,10 @@ class SGLangReplica(EngineReplica):
         if not addr:
             raise WeightbusError(f"{self.name}: digests are read through the group: form it first")
         self._nonce += 1
-        self._command("digest", nonce=self._nonce)
+        nonce = self._nonce
+        # (SGLang's call blocks until its scheduler answers: on the replica's pool, waited
+        # for as long as any call of the manager's)
+        self._submit("digest", lambda: self._command("digest", nonce=nonce)).result(self._timeout())
         got = outcomes.gather(self._store_at(addr, port), prefix, "digest", self._nonce,
                               range(first, first + self.size), self._timeout())
         why = outcomes.failure_of(got, f"{self.name}: reading digests", "SGLang")
