@@ -9,6 +9,8 @@ a trainer process, and two TP worker processes of a model with SGLang's loader c
 updates; every TP rank's parameters are compared bitwise with what the model's own loaders
 make of the trainer's tensors."""
 
+import time
+
 import pytest
 import torch
 from sglang_toy import ToyEngine, ToyModel, checkpoint
@@ -16,7 +18,7 @@ from sglang_toy import ToyEngine, ToyModel, checkpoint
 from weightbus.integrations.sglang import SGLangReplica, dry_run, engine_args
 from weightbus.manager import CheckpointEngineManager, UpdateFailed
 from weightbus.plan import Manifest, TensorMeta
-from weightbus.runtime.group import LocalWorkerGroup, call
+from weightbus.runtime.group import LocalWorkerGroup, WorkerError, call
 from weightbus.sources import ModuleSource
 from weightbus.worker import WeightbusWorker
 
@@ -162,3 +164,18 @@ def test_a_refused_update_keeps_weights_and_version_then_the_next_lands(toy, ext
     mgr.update_weights(version=v + 2)
     assert_served(engine, trainer)
     assert replica.weight_version() == v + 2
+
+
+def test_digests_wait_with_a_deadline(toy, monkeypatch):
+    """SGLang's call blocks until its scheduler answers: a scheduler that does not answer
+    fails the read within the replica's deadline, naming the replica, not a hang."""
+    engine, _trainer, replica, _mgr = toy
+    real = engine.update_weights_from_tensor
+    monkeypatch.setattr(engine, "update_weights_from_tensor",
+                        lambda *a, **kw: (time.sleep(3), real(*a, **kw))[1])
+    monkeypatch.setattr(replica, "_timeout", lambda: 1.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="sglang0.*no answer within 1s"):
+        replica.digests()
+    assert time.monotonic() - start < 2.5
+    replica._submit("drain", lambda: None).result(10)  # (the stalled call ends before the next test)
