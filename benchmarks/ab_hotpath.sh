@@ -27,7 +27,7 @@ for r in $ROWS; do
     # (a side may name one environment setting after an @: new@WEIGHTBUS_DEVICE_COPY=0)
     tree=${side%%@*}; setting=; [[ $side == *@* ]] && setting=${side#*@}
     case $tree in new) dir=$PWD ;; old) dir=$PWD/_old ;; *) dir=$PWD/_old/$tree ;; esac
-    line=$(cd "$dir" && env $setting PYTHONPATH=$dir timeout 150 python -m weightbus.cli bench $(args $r) 2>&1 \
+    line=$(cd "$dir" && env $setting PYTHONPATH=$dir timeout 150 python -m weightbus bench $(args $r) 2>&1 \
       | grep -E "^(colocated|disagg|hybrid|  sharded)" | tail -2 | tr -s ' ' | tr '\n' ' ')
     echo "$r $side: $line"
   done

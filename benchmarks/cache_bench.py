@@ -22,7 +22,7 @@ import time
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
-from weightbus.bench import BenchConfig, run_bench
+from weightbus.tools.bench import BenchConfig, run_bench
 
 
 def _weights(preset: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

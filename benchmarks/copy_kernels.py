@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from weightbus import presets
-from weightbus.bench import BenchConfig, _bulk_cast_copy
-from weightbus.buffers import CopyList
+from weightbus.packing.buffers import CopyList
+from weightbus.planning import presets
+from weightbus.tools.bench import BenchConfig, _bulk_cast_copy
 
 
 def timed(fn, iters: int = 5) -> float:

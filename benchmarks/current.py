@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BEGIN, END = "<!-- current table: benchmarks/current.py -->", "<!-- end of the current table -->"
-HOT = ["weightbus/engines", "weightbus/buffers.py", "weightbus/copy_triton.py", "weightbus/plan.py",
+HOT = ["weightbus/engines", "weightbus/packing", "weightbus/buffers.py", "weightbus/plan.py",
        "weightbus/sources.py", "weightbus/sinks.py", "weightbus/integrations"]
 
 

@@ -9,7 +9,7 @@ OUT=${OUT:-results}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for run in "8b bf16" "8b fp32" "30b-a3b bf16 --layers 24" ; do
   set -- $run
-  timeout "${BENCH_TIMEOUT:-240}" python -m weightbus.cli bench --scenario disaggregated --preset "$1" \
+  timeout "${BENCH_TIMEOUT:-240}" python -m weightbus.tools.cli bench --scenario disaggregated --preset "$1" \
     --trainer-dtype "$2" "${@:3}" --iters "${ITERS:-3}" --delta "${DELTA:-0.02}" \
     --json "$OUT/delta_$1_$2.json" 2>&1 | grep -v Warning | tail -3
 done

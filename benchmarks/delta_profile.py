@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from weightbus import presets
 from weightbus.engines import delta as dm
 from weightbus.plan import Manifest, TensorMeta
+from weightbus.planning import presets
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from weightbus import presets
 from weightbus.engines import delta as dm
+from weightbus.planning import presets
 
 
 def _time(fn, iters: int = 10) -> float:

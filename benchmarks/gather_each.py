@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from weightbus import presets
+from weightbus.planning import presets
 
 
 def _time(fn, iters: int) -> float:

@@ -13,10 +13,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_plan.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 args=(); for p in "${presets[@]}"; do args+=(--preset "$p"); done
-timeout "${BENCH_TIMEOUT:-420}" python -m weightbus.cli bench "${args[@]}" --iters "${ITERS:-5}" \
+timeout "${BENCH_TIMEOUT:-420}" python -m weightbus.tools.cli bench "${args[@]}" --iters "${ITERS:-5}" \
   ${SCENARIOS:-} --json "$OUT/bench.json" 2>&1 | grep -v Warning | tee "$OUT/bench.log" | tail -25
 # optional bucket-size sweep of one scenario: SWEEP="256 512" SWEEP_SCENARIO=disaggregated
 for mb in ${SWEEP:-}; do
-  timeout 200 python -m weightbus.cli bench --preset "${presets[-1]}" --scenario "${SWEEP_SCENARIO:-disaggregated}" \
+  timeout 200 python -m weightbus.tools.cli bench --preset "${presets[-1]}" --scenario "${SWEEP_SCENARIO:-disaggregated}" \
     --bucket-mb "$mb" --iters 3 --json "$OUT/sweep_$mb.json" 2>&1 | grep -v Warning | tail -1
 done

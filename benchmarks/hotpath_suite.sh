@@ -12,7 +12,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 row() {  # row NAME LIMIT_S bench-args...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python -m weightbus.cli bench --json "$OUT/$name.json" "$@" 2>&1 \
+  timeout "$limit" python -m weightbus.tools.cli bench --json "$OUT/$name.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/$name.log" | grep -E "^\[|^(colocated|disaggregated|hybrid)" | tail -3
 }
 ROWS=${ROWS:-"d8 d30 cd30 c30 h8 d30f cd30f"}

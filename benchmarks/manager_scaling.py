@@ -11,8 +11,9 @@ import statistics
 
 import torch
 
-from weightbus import ModuleSink, ModuleSource, presets
+from weightbus import ModuleSink, ModuleSource
 from weightbus.manager import CheckpointEngineManager
+from weightbus.planning import presets
 from weightbus.runtime.group import LocalWorkerGroup, call
 from weightbus.worker import WeightbusWorker
 

@@ -1,5 +1,5 @@
 """The planner at the field's published anchors (issue 37): each published figure next to
-what ``weightbus.simulate`` predicts weightbus would take on the same layout, per backend,
+what ``weightbus.planning.simulate`` predicts weightbus would take on the same layout, per backend,
 and what bounds it.
 
     python benchmarks/plan_anchors.py
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from weightbus.cluster import Layout, cluster, model_shapes
-from weightbus.simulate import manifest_of, plan
+from weightbus.planning.cluster import Layout, cluster, model_shapes
+from weightbus.planning.simulate import manifest_of, plan
 
 ANCHORS = [
     # (name, published s, model, cluster, nodes, layout, fp8, why the layout)

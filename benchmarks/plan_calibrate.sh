@@ -27,7 +27,7 @@ args() { case $1 in
 esac; }
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 for r in ${@:-d06 d8 d8f d8delta d30 c8f cd8f cd30 c30 h8 hd8 hd30}; do
-  line=$(timeout 170 python -m weightbus.cli bench $(args "$r") --iters 3 --json "$OUT/$r.json" 2>&1 \
+  line=$(timeout 170 python -m weightbus.tools.cli bench $(args "$r") --iters 3 --json "$OUT/$r.json" 2>&1 \
     | grep -E "^(colocated|disagg|hybrid|delta|  )" | tail -3 | tr '\n' ' ')
   echo "$r: $line"
 done

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from weightbus import CheckpointEngineRegistry, ModuleSource, presets
-from weightbus.bench import _update_fn
+from weightbus import CheckpointEngineRegistry, ModuleSource
+from weightbus.planning import presets
 from weightbus.runtime.local import Rendezvous, connect, spawn
+from weightbus.tools.bench import _update_fn
 
 
 def worker(rank: int, backend: str, preset: str, layers: int | None, direct: bool, port: int,

@@ -20,9 +20,9 @@ import asyncio
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
-from weightbus.demo import digest
 from weightbus.quant import FP8, Fp8Format, QuantizedSource
 from weightbus.runtime.local import Rendezvous, connect
+from weightbus.tools.demo import digest
 
 
 def served(name: str, shape: tuple[int, ...]) -> bool:
@@ -111,7 +111,7 @@ def _changes(formats: dict[str, Fp8Format], before: dict[str, torch.Tensor],
 def main() -> None:
     import torch.distributed as dist
 
-    from weightbus import presets
+    from weightbus.planning import presets
     from weightbus.runtime.local import spawn
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="0.6b")

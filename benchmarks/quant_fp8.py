@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from weightbus import presets
+from weightbus.planning import presets
 from weightbus.quant import FP8, Fp8Format, QuantizedSource, quantize_many
 from weightbus.sources import ModuleSource
 

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from weightbus import presets
+from weightbus.planning import presets
 from weightbus.quant import FP8_MAX, Fp8Format
-from weightbus.quant_triton import _SRC, BlockLaunch, _block_fp8
+from weightbus.quant.kernels import _SRC, BlockLaunch, _block_fp8
 
 
 @triton.jit

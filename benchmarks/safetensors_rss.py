@@ -22,10 +22,10 @@ import time
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink
-from weightbus.bench import BenchConfig
 from weightbus.comm import serve_store
 from weightbus.integrations.safetensors import SafetensorsSource
 from weightbus.runtime.local import Rendezvous, connect, spawn
+from weightbus.tools.bench import BenchConfig
 
 
 def _status() -> dict[str, int]:

@@ -38,7 +38,7 @@ PRESETS = {"8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b", "0.6b": "qwen3-0.6b"}
 def _hf_config(preset: str, layers: int):
     import transformers as tf
 
-    from weightbus.presets import QWEN3
+    from weightbus.planning.presets import QWEN3
     c = dict(QWEN3[PRESETS[preset]])
     c["num_hidden_layers"] = layers
     if "num_experts" in c:

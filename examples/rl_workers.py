@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from weightbus import ModuleSink, ModuleSource
-from weightbus.demo import TinyTransformer, digest
+from weightbus.tools.demo import TinyTransformer, digest
 from weightbus.worker import WeightbusWorker
 
 SIZE = {"vocab": 512, "dim": 64, "layers": 2}

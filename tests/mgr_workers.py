@@ -194,7 +194,7 @@ class Fp8Rollout(Rollout):
         return ModuleSink(self.state)
 
     def weights_digest(self):
-        from weightbus.demo import digest
+        from weightbus.tools.demo import digest
         return {n: digest(t) for n, t in self.state.items()}
 
 
@@ -203,8 +203,8 @@ class Fp8Trainer(Trainer):
         """What an fp8 rollout must hold (every rank must call: FSDP2 gathers)."""
         import torch
 
-        from weightbus.demo import digest
         from weightbus.quant import Fp8Format
+        from weightbus.tools.demo import digest
         out = {}
         for n, t in self.model.state_dict().items():
             full = t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -29,9 +29,9 @@ from weightbus.engines.base import agree_buffers
 from weightbus.engines.collective import CollectiveEngine
 from weightbus.engines.colocated import ColocatedEngine
 from weightbus.manager import CheckpointEngineManager
+from weightbus.packing.shards import Box, ShardLayout, ShardPlan, tp_placements
 from weightbus.plan import BucketPlan, Manifest, TensorMeta
 from weightbus.runtime.local import join, spawn
-from weightbus.shards import Box, ShardLayout, ShardPlan, tp_placements
 
 
 def _engine(**kw):
@@ -225,7 +225,7 @@ def test_enough_bad_inputs():
 # --- legal inputs that look odd: handled correctly (round trip through real buckets)
 
 def _round_trip(named, **source_kw):
-    from weightbus import buffers
+    from weightbus.packing import buffers
     source = ModuleSource(named, **source_kw)
     plan = BucketPlan(source.manifest, 4096, 1)
     packer, slots = buffers.Packer(plan), [torch.zeros(4096, dtype=torch.uint8) for _ in range(2)]
@@ -331,7 +331,7 @@ def test_group_misuse_cases(port):
 
 
 def test_shm_bucket_larger_than_dev_shm():
-    from weightbus import buffers
+    from weightbus.packing import buffers
     room = buffers.shm_room()
     if room is None:
         pytest.skip("no /dev/shm")
@@ -399,8 +399,8 @@ def test_nixl_options_checked_where_given(kwargs, match):
 
 def test_nixl_topology_agreed_and_routed():
     """The ranks must agree on the topology; the routes follow the tree the rates pick."""
-    from weightbus import topology
     from weightbus.engines.nixl import NixlEngine
+    from weightbus.planning import topology
 
     def meta(rank, topology="auto", gbps=None):
         m = {"addr": "127.0.0.1", "device": "cpu", "bucket_size": 1 << 20, "num_buffers": 2, "alignment": 256,
@@ -431,7 +431,7 @@ def test_delta_option_checked_where_given(backend, kwargs, match):
 
 
 def test_bench_delta_arguments_checked():
-    from weightbus.bench import BenchConfig
+    from weightbus.tools.bench import BenchConfig
     with pytest.raises(ValueError, match=r"delta must be a fraction of elements in \(0, 1\]"):
         BenchConfig(delta=2.0, gpu=False)
     with pytest.raises(ValueError, match="delta= applies to the disaggregated scenario"):

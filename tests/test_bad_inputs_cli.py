@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightbus import cli
+from weightbus.tools import cli
 
 WB = str(Path(sys.executable).parent / "weightbus")  # the console script of this venv
 TINY = ["--steps", "1", "--dim", "64", "--layers", "1", "--trainers", "1", "--rollouts", "1"]
@@ -113,15 +113,15 @@ def test_demo_runs_on_disk_in_the_given_directory_and_cleans_it(runs):
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Anything past the checks fails the test at once (and records what it was given)."""
-    import weightbus.bench
-    import weightbus.demo
     import weightbus.integrations.vllm.demo as vllm_demo
+    import weightbus.tools.bench
+    import weightbus.tools.demo
     started = []
 
     def start(*args, **kwargs):
         started.append((args, kwargs))
         raise AssertionError(f"started with a bad value: {args} {kwargs}")
-    for mod, name in ((weightbus.demo, "run_demo"), (weightbus.bench, "main_bench"),
+    for mod, name in ((weightbus.tools.demo, "run_demo"), (weightbus.tools.bench, "main_bench"),
                       (vllm_demo, "run_vllm_demo")):
         monkeypatch.setattr(mod, name, start)
     return started
@@ -275,7 +275,7 @@ def test_a_quiet_run_leaves_no_log_file(capfd):
 
 
 def test_every_demo_backend_names_its_floor():
-    from weightbus.demo import floor_note
+    from weightbus.tools.demo import floor_note
     for backend in ("gloo", "colocated", "naive", "nixl", "mooncake", "shm", "disk"):
         note = floor_note(backend)
         assert note.startswith("floor: ") and "n/a" not in note, (backend, note)
@@ -291,11 +291,12 @@ def test_the_cache_demos_print_their_measured_floor(runs):
 
 
 def test_a_backend_without_a_known_floor_prints_na_and_why(monkeypatch, nothing_starts, capsys):
-    import weightbus.demo
-    monkeypatch.setattr(weightbus.demo, "FLOORS", {})  # as for an engine the demo knows no raw transfer of
+    import weightbus.tools.demo
+    # as for an engine the demo knows no raw transfer of
+    monkeypatch.setattr(weightbus.tools.demo, "FLOORS", {})
     row = {"step": 1, "loss": 1.0, "bytes": 10**6, "seconds": 0.01, "gbps": 0.1, "gather_seconds": 0.0,
            "verified": True}
-    monkeypatch.setattr(weightbus.demo, "run_demo", lambda cfg, progress=None: [row])
+    monkeypatch.setattr(weightbus.tools.demo, "run_demo", lambda cfg, progress=None: [row])
     assert cli.main(["demo", *TINY]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("1 "))
@@ -304,7 +305,7 @@ def test_a_backend_without_a_known_floor_prints_na_and_why(monkeypatch, nothing_
 
 
 def test_the_demos_memory_check_counts_its_model():
-    from weightbus.demo import DemoConfig, TinyTransformer
+    from weightbus.tools.demo import DemoConfig, TinyTransformer
     for dim, layers in ((64, 1), (512, 3)):
         model = TinyTransformer(8192, dim, layers)
         assert DemoConfig(dim=dim, layers=layers).params() == sum(p.numel() for p in model.parameters())

@@ -3,7 +3,7 @@ and verifies the rollout's tensors against the trainer's."""
 
 import pytest
 
-from weightbus.bench import BenchConfig, format_table, run_bench
+from weightbus.tools.bench import BenchConfig, format_table, run_bench
 
 
 @pytest.mark.parametrize("scenario", ["colocated", "disaggregated", "hybrid-fsdp"])
@@ -19,8 +19,8 @@ def test_bench_scenario_cpu(scenario):
 def test_bench_stress_preset_and_checks_before_running(tmp_path):
     """A many-tensor stress preset runs and verifies; bad names fail at once, naming the
     choices; the plot is drawn."""
-    from weightbus import presets
-    from weightbus.bench import main_bench
+    from weightbus.planning import presets
+    from weightbus.tools.bench import main_bench
 
     lines = []
     cfg = BenchConfig(scenario="disaggregated", preset=presets.stress(2000, 64), iters=1, gpu=False,

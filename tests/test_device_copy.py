@@ -1,4 +1,4 @@
-"""The GPU's copy list (weightbus/copy_triton.py): a table of chunks copied by one Triton
+"""The GPU's copy list (weightbus/packing/copy_triton.py): a table of chunks copied by one Triton
 launch, bit for bit the sources. On a GPU through ``CopyList`` as the
 engines use it; without one, the same kernel under Triton's interpreter on host tensors."""
 
@@ -7,14 +7,14 @@ import os
 import pytest
 import torch
 
-from weightbus import buffers
+from weightbus.packing import buffers
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU, and Triton's interpreter was not chosen (conftest.py sets "
                 "TRITON_INTERPRET=1 where there is no GPU)", allow_module_level=True)
 
-from weightbus.copy_triton import CHUNK_BYTES, DeviceCopy  # noqa: E402
+from weightbus.packing.copy_triton import CHUNK_BYTES, DeviceCopy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

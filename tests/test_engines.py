@@ -7,8 +7,8 @@ import torch
 import workers
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, WeightSyncError
-from weightbus.demo import DemoConfig, run_demo
 from weightbus.runtime.local import spawn
+from weightbus.tools.demo import DemoConfig, run_demo
 
 try:  # the nixl backend's cases run where NIXL is installed (CI installs it)
     import nixl  # noqa: F401

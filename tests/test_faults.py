@@ -23,8 +23,9 @@ import workers_faults
 from mgr_workers import PauseFails, ResumeFails, SinkRaises, SinkRaisesMidStream, SourceRaises
 from rl_workers import Rollout
 
-from weightbus import UpdateFailed, buffers
+from weightbus import UpdateFailed
 from weightbus.manager import CheckpointEngineManager
+from weightbus.packing import buffers
 from weightbus.runtime.group import LocalWorkerGroup, call
 
 DEADLINE = 2.5

@@ -63,7 +63,7 @@ def test_sources_refuse_non_tensors_naming_them():
 
 def _cli(*args):
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "weightbus.cli", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "weightbus.tools.cli", *args], capture_output=True, text=True,
                          timeout=60)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
 
@@ -128,14 +128,14 @@ def test_demo_says_why_it_is_far_from_its_floor():
 
 
 def test_the_demo_footer_speaks_of_the_backend_it_ran():
-    from weightbus.demo import at_scale_note
+    from weightbus.tools.demo import at_scale_note
     notes = {b: at_scale_note(b) for b in ("nccl", "colocated", "nixl", "mooncake", "shm")}
     assert len(set(notes.values())) == len(notes), notes
     assert "broadcast" in notes["nccl"] and "bulk copy" in notes["colocated"]
 
 
 def test_the_demo_tells_each_step_as_it_happens():
-    from weightbus.demo import DemoConfig, run_demo
+    from weightbus.tools.demo import DemoConfig, run_demo
     said = []
     rows = run_demo(DemoConfig(trainers=1, rollouts=1, steps=2, dim=64, layers=1, vocab=256), said.append)
     assert [r["verified"] for r in rows] == [True, True]

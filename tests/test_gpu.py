@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
-from weightbus.demo import digest
 from weightbus.runtime.local import Rendezvous, connect, spawn
+from weightbus.tools.demo import digest
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightbus.integrations.vllm.placement import Recorder
+from weightbus.packing.shards import Box
 from weightbus.plan import Manifest, TensorMeta
-from weightbus.shards import Box
 
 
 def record(loaders, shapes, param_shape):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from weightbus import CheckpointEngineRegistry, Manifest, PlanError, TensorMeta, WeightbusError
-from weightbus.buffers import Assembler, Packer
+from weightbus.packing.buffers import Assembler, Packer
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, BucketPlan
 
 

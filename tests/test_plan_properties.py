@@ -1,5 +1,5 @@
 """Property-based tests of the bucket plan (weightbus/plan.py) and of packing/unpacking
-buckets (weightbus/buffers.py), over random manifests, bucket sizes and sender counts."""
+buckets (weightbus/packing/buffers.py), over random manifests, bucket sizes and sender counts."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from weightbus.buffers import Assembler, Packer
+from weightbus.packing.buffers import Assembler, Packer
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, BucketPlan, Manifest, TensorMeta
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.uint8]

@@ -8,9 +8,9 @@ import pytest
 import torch
 import workers_shards as ws
 
+from weightbus.packing.shards import ShardPlan
 from weightbus.plan import Manifest, TensorMeta
 from weightbus.runtime.local import spawn
-from weightbus.shards import ShardPlan
 
 R = 2
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightbus.errors import PlanError
+from weightbus.packing.shards import Box, ShardLayout, ShardPlan
 from weightbus.plan import ALIGNMENT, Manifest, TensorMeta
-from weightbus.shards import Box, ShardLayout, ShardPlan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
 

@@ -1,4 +1,4 @@
-"""The planner's simulator (weightbus.simulate) against what we measured, and its schedule
+"""The planner's simulator (weightbus.planning.simulate) against what we measured, and its schedule
 against the engines' own plans.
 
 The calibration rows are benchmarks/RESULTS.md's GPU rows of the code that runs today, each
@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from weightbus import presets
-from weightbus.cluster import Layout, cluster, model_shapes
 from weightbus.errors import PlanError
 from weightbus.plan import BucketPlan
-from weightbus.simulate import Shards, manifest_of, plan, quantize_s, simulate
+from weightbus.planning import presets
+from weightbus.planning.cluster import Layout, cluster, model_shapes
+from weightbus.planning.simulate import Shards, manifest_of, plan, quantize_s, simulate
 
 FP32, BF16 = torch.float32, torch.bfloat16
 GiB = 1 << 30
@@ -69,8 +69,8 @@ TP3 = [
 
 @pytest.mark.parametrize("row", TP3, ids=[r[0] for r in TP3])
 def test_one_sender_to_three_tp_ranks_within_15_percent(row):
-    from weightbus.bench import _tp_box
-    from weightbus.shards import ShardLayout
+    from weightbus.packing.shards import ShardLayout
+    from weightbus.tools.bench import _tp_box
     _, preset, layers, backend, runs = row
     manifest = manifest_of(presets.shapes(preset, layers))
     layouts = [ShardLayout({m.name: [_tp_box(m.shape, r, 3)] for m in manifest.metas}) for r in range(3)]
@@ -93,7 +93,7 @@ def test_simulator_within_15_percent_of_every_measured_row(row):
 def test_a_gather_per_tensor_within_15_percent_of_the_measured_rows(preset, layers, ms):
     """benchmarks/gather_each.py on 2xH200: every tensor cast and all-gathered on its own
     (the hybrid ring's gathers); many small tensors pay per call, not per byte."""
-    from weightbus.simulate import CALIBRATION, gather_each_s
+    from weightbus.planning.simulate import CALIBRATION, gather_each_s
     manifest = manifest_of(presets.shapes(preset, layers))
     c = cluster("h200x2")
     cast = manifest.nbytes / 2 * 3 / (c.hbm_gbps * 1e9 * CALIBRATION.hbm_eff)  # (fp32 shard -> bf16)
@@ -111,7 +111,7 @@ def test_quantization_within_15_percent_of_the_fp8_rows(preset, layers, ms):
 def test_delta_bytes_by_the_engines_rule_match_the_measured_share():
     """Delta updates (README, "Delta updates", CPU): at 2% of the elements changed the wire
     carried 5.9% of the dense bytes; the planner sizes the records by the engine's rule."""
-    from weightbus.simulate import delta_share
+    from weightbus.planning.simulate import delta_share
     share = delta_share(manifest_of(presets.shapes("0.6b")), 0.02, 2)
     assert abs(share / 0.059 - 1) <= 0.15, share
     c, lay, manifest = cluster("h100", 2), Layout(8, 1, 8), manifest_of(presets.shapes("8b"))
@@ -140,7 +140,7 @@ def test_megatron_buckets_leave_from_where_their_tensors_are():
     """Under Megatron (tp 2, pp 2, ep 4) the plan is BucketPlan's home-aware packing: each
     bucket is packed by a rank of the stage (and expert rank) holding all of its tensors,
     and a packer gathers its TP pieces over NVLink."""
-    from weightbus.simulate import megatron_homes
+    from weightbus.planning.simulate import megatron_homes
     manifest = manifest_of(presets.shapes("30b-a3b", 4))
     lay = Layout(32, 1, 8, tp=2, pp=2, ep=4)
     homed = megatron_homes(manifest, lay)
@@ -262,7 +262,7 @@ def test_plan_cli_writes_every_rank_and_link_as_json(tmp_path):
     assert doc["recommended"]["backend"] == best["backend"] == "sharded"
     assert doc["recommended"]["use"]["backend"] == "nccl"  # (what --backend and the API take)
     from weightbus.engines.api import CheckpointEngineRegistry
-    from weightbus.planner import USE
+    from weightbus.planning.planner import USE
     for engine, _ in USE.values():
         CheckpointEngineRegistry.get(engine)
     assert len(best["sent_gb"]) == 8 and len(best["received_gb"]) == 8 and best["link_gb"]
@@ -290,8 +290,8 @@ def test_plan_cli_prices_the_delta_check_every_n_updates(tmp_path):
 def test_sweep_plot_draws_every_backend_on_labelled_axes_at_true_positions():
     import re
 
-    from weightbus.cluster import Layout, cluster
-    from weightbus.planner import Question, sweep_all, sweep_svg
+    from weightbus.planning.cluster import Layout, cluster
+    from weightbus.planning.planner import Question, sweep_all, sweep_svg
     q = Question(cluster("h100", 4), Layout(trainers=16, replicas=2, rollout_gpus=8), "30b-a3b")
     rows = sweep_all(q, [1, 2, 16])
     svg = sweep_svg(rows, "t")

@@ -20,9 +20,9 @@ def imported_after(code: str) -> list[str]:
 @pytest.mark.parametrize("code", [
     "import weightbus",
     "import weightbus; weightbus.__version__; dir(weightbus)",
-    "import weightbus.cli as c\ntry:\n    c.main(['--help'])\nexcept SystemExit:\n    pass",
-    "import weightbus.cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n    pass",
-    "import weightbus.cli as c\ntry:\n    c.main(['dmeo'])\nexcept SystemExit:\n    pass",
+    "import weightbus.tools.cli as c\ntry:\n    c.main(['--help'])\nexcept SystemExit:\n    pass",
+    "import weightbus.tools.cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:\n    pass",
+    "import weightbus.tools.cli as c\ntry:\n    c.main(['dmeo'])\nexcept SystemExit:\n    pass",
 ])
 def test_starting_imports_nothing_heavy(code):
     assert imported_after(code) == []

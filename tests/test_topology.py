@@ -1,11 +1,11 @@
-"""The forwarding engines' tree choice (``weightbus.topology``) and its layout: pure
+"""The forwarding engines' tree choice (``weightbus.planning.topology``) and its layout: pure
 functions, checked for every small shape."""
 
 import pytest
 
-from weightbus import topology
 from weightbus.errors import PlanError
-from weightbus.topology import Fanout
+from weightbus.planning import topology
+from weightbus.planning.topology import Fanout
 
 
 def test_choice_from_link_rates():

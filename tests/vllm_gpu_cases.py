@@ -189,7 +189,7 @@ class Case:
 
 def _digests(worker) -> dict:
     """Runs in a vLLM worker: a bitwise digest of every parameter it holds."""
-    from weightbus.demo import digest
+    from weightbus.tools.demo import digest
     return {n: digest(p) for n, p in worker.model_runner.model.named_parameters()}
 
 

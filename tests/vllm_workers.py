@@ -144,14 +144,14 @@ class BreakingSource:
 def vllm_param_digests(worker):
     """Runs in a vLLM worker (``llm.collective_rpc(vllm_param_digests)``): a bitwise digest
     of every parameter vLLM holds, under vLLM's names."""
-    from weightbus.demo import digest
+    from weightbus.tools.demo import digest
     return {n: digest(p) for n, p in worker.model_runner.model.named_parameters()}
 
 
 def expected_vllm_digests(state_dict):
     """What vLLM's Qwen2 must hold for a transformers state dict: q/k/v and gate/up fused
     along dim 0; a tied lm_head is the embedding itself."""
-    from weightbus.demo import digest
+    from weightbus.tools.demo import digest
     sd, out = dict(state_dict), {}
     for name in list(sd):
         if ".self_attn.q_proj." in name:

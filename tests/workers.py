@@ -21,8 +21,8 @@ from weightbus import (
     TensorMeta,
     WeightSyncError,
 )
-from weightbus.demo import digest
 from weightbus.runtime.local import Rendezvous, connect
+from weightbus.tools.demo import digest
 
 
 class Mixed(nn.Module):
@@ -494,7 +494,7 @@ def safetensors_stream(rank: int, port: int, path: str):
 def _delta_model(fsdp_port: int | None, rank: int, T: int):
     """The demo transformer with RL-like weights (std 0.02), FSDP2-sharded over the trainer
     ranks when there are several."""
-    from weightbus.demo import TinyTransformer
+    from weightbus.tools.demo import TinyTransformer
     torch.manual_seed(0)
     model = TinyTransformer(vocab=256, dim=64, layers=2)
     with torch.no_grad():
@@ -551,7 +551,7 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
             from torch.distributed.tensor import DTensor
             _count_calls(DTensor, "full_tensor", gathers)
     else:
-        from weightbus.demo import TinyTransformer
+        from weightbus.tools.demo import TinyTransformer
         model = TinyTransformer(vocab=256, dim=64, layers=2).to(torch.bfloat16)
         engine.set_destinations(dict(model.state_dict()))
 

@@ -11,7 +11,7 @@ import torch
 from workers import Mixed
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
-from weightbus.demo import digest
+from weightbus.tools.demo import digest
 
 
 def cache(role: str, backend: str, where: str, **kw):

@@ -42,7 +42,7 @@ class _Drain:
 
 def _tp_rows(held: dict[str, torch.Tensor], r: int, R: int):
     """Sharded receive: rollout rank ``r`` keeps its rows of every matrix (the rest whole)."""
-    from weightbus.shards import chunk_box, tp_placements
+    from weightbus.packing.shards import chunk_box, tp_placements
     local = {n: torch.zeros(chunk_box(t.shape, 0, r, R).size, dtype=t.dtype) if t.dim() == 2
              else torch.zeros_like(t) for n, t in held.items()}  # (of the wire dtype: no cast on write)
     return tp_placements(local, r, R, split={n: (0, t.shape) for n, t in held.items() if t.dim() == 2})

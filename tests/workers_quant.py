@@ -9,9 +9,9 @@ from torch import nn
 from workers import new_engine
 
 from weightbus import ModuleSink, ModuleSource
-from weightbus.demo import digest
 from weightbus.quant import FP8, Fp8Format, QuantizedSource, module_formats
 from weightbus.runtime.local import Rendezvous, connect
+from weightbus.tools.demo import digest
 
 
 class Trainer(nn.Module):

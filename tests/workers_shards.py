@@ -8,8 +8,8 @@ import asyncio
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSource
+from weightbus.packing.shards import Box, chunk_box, tp_placements
 from weightbus.runtime.local import Rendezvous, connect
-from weightbus.shards import Box, chunk_box, tp_placements
 from weightbus.worker import WeightbusWorker
 
 H = 8
@@ -139,7 +139,7 @@ class Halves:
         self.dst = torch.zeros(4, H)
 
     def layout(self, manifest):
-        from weightbus.shards import ShardLayout
+        from weightbus.packing.shards import ShardLayout
         self.update += 1
         if self.update == 3 and self.r == 1:
             raise RuntimeError("the loaders changed under it")
@@ -198,7 +198,7 @@ def torch_tp(rank: int, T: int, R: int, port: int, tp_port: int, steps: int) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from weightbus.shards import dtensor_placements
+    from weightbus.packing.shards import dtensor_placements
 
     torch.set_num_threads(1)
     trainer = rank < T
@@ -260,7 +260,7 @@ class TPRollout(WeightbusWorker):
                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     def weights_placements(self):
-        from weightbus.shards import dtensor_placements
+        from weightbus.packing.shards import dtensor_placements
         return dtensor_placements(dict(self.model.named_parameters()))
 
     def weights_sink(self):

@@ -10,9 +10,9 @@ from torch import nn
 from workers import Mixed, _receive, _send
 
 from weightbus import CheckpointEngineRegistry, ModuleSource
-from weightbus.demo import digest
 from weightbus.errors import WeightbusError
 from weightbus.runtime.local import Rendezvous, connect
+from weightbus.tools.demo import digest
 
 
 def _move(model: Mixed, how: str, k: int) -> None:

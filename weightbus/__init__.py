@@ -1,7 +1,9 @@
 """weightbus: move model weights from trainer ranks to rollout engines, fast and safely.
 
-Layers (imports only go downward): plan -> buffers/comm -> engines -> sources/sinks ->
-runtime -> manager -> cli. See docs/DESIGN.md.
+Layers (imports only go downward): plan -> packing (buffers, shards, native copies) and
+comm -> engines -> sources/sinks -> runtime -> manager -> integrations -> tools (cli, demo,
+bench). Beside them: quant (fp8 on the wire) and planning (planner, simulate, cluster,
+topology, presets). See docs/DESIGN.md.
 
 The names below are imported when first used (``import weightbus`` alone imports neither
 torch nor any backend): a command line that only prints its help starts at once.
@@ -10,6 +12,9 @@ torch nor any backend): a command line that only prints its help starts at once.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -65,6 +70,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:  # (an old module name: ``from weightbus import buffers``)
+        return importlib.import_module(f"weightbus.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'weightbus' has no attribute {name!r}")
@@ -75,3 +82,32 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
+
+
+#: modules that moved into the packages above, by their old names: ``import weightbus.buffers``
+#: and ``from weightbus import planner`` keep working (the same module object, not a copy)
+_MOVED = {
+    "planner": "planning.planner", "simulate": "planning.simulate", "cluster": "planning.cluster",
+    "topology": "planning.topology", "presets": "planning.presets", "quant_triton": "quant.kernels",
+    "cli": "tools.cli", "demo": "tools.demo", "bench": "tools.bench", "buffers": "packing.buffers",
+    "native": "packing.native", "copy_triton": "packing.copy_triton", "shards": "packing.shards",
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``weightbus.<old name>`` as the module it moved to."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        old = fullname.removeprefix("weightbus.")
+        if fullname.startswith("weightbus.") and old in _MOVED:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module("weightbus." + _MOVED[spec.name.removeprefix("weightbus.")])
+
+    def exec_module(self, module: Any) -> None:
+        pass  # (the module it moved to ran on import)
+
+
+sys.meta_path.append(_Moved())

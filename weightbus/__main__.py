@@ -1,5 +1,5 @@
 """``python -m weightbus``: the same command line as ``weightbus``."""
 
-from weightbus.cli import main
+from weightbus.tools.cli import main
 
 raise SystemExit(main())

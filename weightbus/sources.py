@@ -411,7 +411,7 @@ class _FlatGather:
 
     @torch.no_grad()  # (to_local() is an autograd op otherwise: ~10 us a tensor)
     def run(self, group: list[tuple[int, str, Any, torch.Tensor]], pg: Any) -> None:
-        from weightbus.buffers import CopyList, copy_group
+        from weightbus.packing.buffers import CopyList, copy_group
 
         world = dist.get_world_size(pg)
         me = dist.get_rank(pg)

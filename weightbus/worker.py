@@ -44,7 +44,7 @@ class EngineHost:
 
     def weights_placements(self) -> Any:
         """A rollout that keeps only part of each tensor (tensor- or expert-parallel):
-        ``{update tensor name: [(Box, destination view), ...]}`` (``weightbus.shards``:
+        ``{update tensor name: [(Box, destination view), ...]}`` (``weightbus.packing.shards``:
         ``tp_placements``, ``dtensor_placements``); engines that can (``gloo``, ``nccl``)
         then send it only those regions, written in place. None (the default): whole tensors."""
         return None

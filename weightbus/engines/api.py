@@ -25,8 +25,9 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
-from weightbus import buffers, config
+from weightbus import config
 from weightbus.errors import ConfigError, PlanError, WeightbusError, WeightSyncError
+from weightbus.packing import buffers
 from weightbus.plan import ALIGNMENT, TRAILER_BYTES, Manifest
 
 Role = Literal["trainer", "rollout"]

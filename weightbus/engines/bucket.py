@@ -14,7 +14,7 @@ is left blocked; a peer that dies or hangs trips the group's deadline instead.
 
 Per update, the loops do a bounded number of calls per bucket, not per tensor: what a
 bucket takes (views, copy lists, which tensors) is worked out once per plan and slot
-(:class:`weightbus.buffers.Packer`, :class:`weightbus.buffers.Assembler`) and reused.
+(:class:`weightbus.packing.buffers.Packer`, :class:`weightbus.packing.buffers.Assembler`) and reused.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightbus import buffers, comm, config
+from weightbus import comm, config
 from weightbus.engines import delta as delta_mode
 from weightbus.engines import sharded
 from weightbus.engines.api import (
@@ -45,8 +45,9 @@ from weightbus.engines.api import (
 )
 from weightbus.engines.streams import Stream, StreamBroken, fetch, resolve_stream
 from weightbus.errors import ConfigError, PlanError, TransferFailed, WeightSyncError
+from weightbus.packing import buffers
+from weightbus.packing.shards import ShardLayout, ShardPlan
 from weightbus.plan import Bucket, BucketPlan, Manifest
-from weightbus.shards import ShardLayout, ShardPlan
 
 _log = logging.getLogger("weightbus")
 _HEADER_WORDS = 8

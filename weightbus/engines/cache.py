@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, config
+from weightbus import config
 from weightbus.engines.api import (
     CheckpointEngineRegistry,
     CheckpointEngineWithCache,
@@ -81,6 +81,7 @@ from weightbus.engines.api import (
 )
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
+from weightbus.packing import buffers
 from weightbus.plan import Manifest, TensorMeta
 
 #: torch dtype <-> safetensors dtype name

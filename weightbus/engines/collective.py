@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, comm
+from weightbus import comm
 from weightbus.engines import sharded
 from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.bucket import BucketEngine
 from weightbus.errors import PlanError
+from weightbus.packing import buffers
+from weightbus.packing.shards import ShardBucket
 from weightbus.plan import Bucket, BucketPlan
-from weightbus.shards import ShardBucket
 
 
 @CheckpointEngineRegistry.register("hccl", pg_backend="hccl")

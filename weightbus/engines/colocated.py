@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, comm
+from weightbus import comm
 from weightbus.engines.api import (
     CheckpointEngineRegistry,
     UpdateStats,
@@ -47,6 +47,7 @@ from weightbus.engines.api import (
 from weightbus.engines.bucket import BucketEngine
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
+from weightbus.packing import buffers
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 _DONE = object()

@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, comm, config
+from weightbus import comm, config
 from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.links import Link, LinkedEngine, close, link_topology, replicas_of
 from weightbus.errors import PlanError, WeightSyncError, as_timedelta
+from weightbus.packing import buffers
 from weightbus.plan import Bucket, BucketPlan
 
 #: seconds between polls of a read in flight

@@ -2,7 +2,7 @@
 bucket slots (UCX: host memory anywhere, device memory where NIXL has CUDA).
 
 Topology, T trainer ranks and R rollout ranks: one tree per trainer rank over all R rollout
-ranks, its shape picked by :mod:`weightbus.topology` from the ranks' link rates (a chain
+ranks, its shape picked by :mod:`weightbus.planning.topology` from the ranks' link rates (a chain
 when they are equal or unknown)::
 
     chain i:   trainer i -> rollout i%R -> rollout (i+1)%R -> ...           (R hops)
@@ -45,12 +45,13 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers, comm, config
-from weightbus import topology as topology_mod
+from weightbus import comm, config
 from weightbus.engines.api import CheckpointEngineRegistry, agree_buffers, check_sides
 from weightbus.engines.links import LinkedEngine, close, link_topology, replicas_of
 from weightbus.errors import PlanError, TransferFailed
+from weightbus.packing import buffers
 from weightbus.plan import Bucket, BucketPlan
+from weightbus.planning import topology as topology_mod
 
 _log = logging.getLogger("weightbus")
 

@@ -1,5 +1,5 @@
 """Sharded updates: every rollout rank receives, point to point, only the regions of the
-update tensors that its layout keeps (:mod:`weightbus.shards`), written straight where
+update tensors that its layout keeps (:mod:`weightbus.packing.shards`), written straight where
 they land; tensors its layout does not name arrive whole and are yielded as usual.
 
 A rollout rank states where its regions land as :class:`Destinations`
@@ -9,7 +9,7 @@ manifest (vLLM's loaders, recorded per manifest) and writes each region itself. 
 group knows at formation that it shards; then, after every header, the ranks agree on
 the rollout ranks' layouts (:func:`agree_layouts`: one small all-reduce of their
 fingerprints; a layout's bytes travel only when it changed), and every rank computes
-the same :class:`~weightbus.shards.ShardPlan`. A sender packs the boxes of the tensors
+the same :class:`~weightbus.packing.shards.ShardPlan`. A sender packs the boxes of the tensors
 the plan gives it (cast into the bucket), stamps each bucket's trailer as the broadcast
 path does, and sends it to its one receiver; a receiver takes its buckets in the plan's
 order. Senders take their receivers in turn and receivers their senders, both orders
@@ -17,7 +17,7 @@ consistent with one global order of (round, receiver, sender): no cycle of waits
 every receiver unpacks while the others receive.
 
 A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` /
-``_wait_recv`` given a :class:`~weightbus.shards.ShardBucket` (``owner`` -> ``receiver``).
+``_wait_recv`` given a :class:`~weightbus.packing.shards.ShardBucket` (``owner`` -> ``receiver``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from weightbus import buffers
-from weightbus.buffers import CopyList
 from weightbus.engines.streams import Stream, StreamBroken, fetch
 from weightbus.errors import PlanError, TransferFailed
+from weightbus.packing import buffers
+from weightbus.packing.buffers import CopyList
+from weightbus.packing.shards import Box, Piece, ShardBucket, ShardLayout, ShardPlan
 from weightbus.plan import Manifest
-from weightbus.shards import Box, Piece, ShardBucket, ShardLayout, ShardPlan
 
 #: (the engine is a BucketEngine; typed loosely: bucket.py imports this module)
 BucketEngine = Any

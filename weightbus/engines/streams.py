@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from weightbus import buffers
 from weightbus.errors import PlanError
+from weightbus.packing import buffers
 from weightbus.plan import Manifest, TensorMeta
 
 

@@ -59,9 +59,10 @@ from typing import Any, Protocol
 
 import torch
 
-from weightbus import buffers, config
+from weightbus import config
 from weightbus.engines.delta import cpu as kernels
 from weightbus.engines.delta import gpu
+from weightbus.packing import buffers
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
 

@@ -5,7 +5,7 @@ one pass over memory each, where torch's own ops take ~10 passes and run their
 here (~0.11 s of it reading the weights and the snapshot); the apply 0.39 s and ~0.13 s.
 Calls run on a few threads (:class:`Jobs`).
 
-Built on first use by :mod:`weightbus.native` (the system's C compiler, cached, loaded with
+Built on first use by :mod:`weightbus.packing.native` (the system's C compiler, cached, loaded with
 ctypes, which lets go of the GIL during a call). Where no compiler works, or with
 ``WEIGHTBUS_DELTA_KERNELS=0``, delta mode uses its torch path: the same records, bit for bit
 (tests/test_delta.py checks both), only slower. GPUs have their own (:mod:`.gpu`).
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from weightbus import config, native
+from weightbus import config
+from weightbus.packing import native
 
 log = logging.getLogger(__name__)
 

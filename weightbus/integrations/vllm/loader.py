@@ -42,8 +42,8 @@ from weightbus.integrations.vllm.processing import (
     refresh_shared_cpu_kernels,
     self_check_from_env,
 )
+from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
-from weightbus.shards import Box, ShardLayout
 
 #: Ends the error of an update that failed before anything loaded.
 KEPT = "vLLM kept its previous weights"

@@ -40,9 +40,9 @@ from weightbus.integrations.vllm.trainer import (  # (the trainer side, once imp
     _close_if_broken,
     trainer_init,
 )
+from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
 from weightbus.runtime.local import Rendezvous, connect
-from weightbus.shards import Box, ShardLayout
 
 __all__ = ["WeightbusInitInfo", "WeightbusTrainerEngine", "WeightbusTrainerInitInfo",
            "WeightbusUpdateInfo", "WeightbusWeightTransferEngine", "register", "trainer_init"]

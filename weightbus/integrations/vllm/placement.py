@@ -3,7 +3,7 @@ loaders, once per manifest.
 
 The preflight (:mod:`.loader`) already runs ``model.load_weights`` over meta stand-ins of
 the update's tensors. Given a :class:`Recorder`, those stand-ins are :class:`_Tracked`
-tensors, which know the region (a :class:`~weightbus.shards.Box`) of the update tensor
+tensors, which know the region (a :class:`~weightbus.packing.shards.Box`) of the update tensor
 they are: a loader that narrows, selects, chunks or indexes them (the row or column slice
 of a tensor-parallel layer, the q/k/v and gate/up pieces of a fused parameter, an
 expert's slot) gets a tracked child; its ``copy_`` into the parameter records a
@@ -12,7 +12,7 @@ which parameter). A loader that does more than place bytes (transposes, permutes
 casts, computes on them, copies from anything else, or runs outside a parameter's
 loader) makes that tensor a *fallback*: it is received whole and goes through vLLM's
 loader as before. The result, a :class:`Placement`, is this rank's
-:class:`~weightbus.shards.ShardLayout` (what it keeps of each tensor), and what
+:class:`~weightbus.packing.shards.ShardLayout` (what it keeps of each tensor), and what
 :meth:`.loader.VLLMModelLoader.place` replays for each received region.
 
 Written against vLLM 0.32's loaders and layerwise reload; a vLLM without them places
@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
-from weightbus.shards import Box, ShardLayout
 
 _log = logging.getLogger("vllm.weightbus")
 

@@ -1,5 +1,5 @@
 """Many tensor copies on one GPU as one Triton launch over a chunk table (used by
-:class:`weightbus.buffers.CopyList`, which says when). Imported only where a list of CUDA
+:class:`weightbus.packing.buffers.CopyList`, which says when). Imported only where a list of CUDA
 tensors is copied: Triton is slow to import.
 
 Each row of the table is a chunk of one pair: its source address, its destination

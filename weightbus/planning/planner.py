@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from weightbus.cluster import Cluster, Layout, model_shapes
 from weightbus.errors import PlanError
-from weightbus.simulate import Prediction, manifest_of, plan
+from weightbus.planning.cluster import Cluster, Layout, model_shapes
+from weightbus.planning.simulate import Prediction, manifest_of, plan
 
 
 @dataclass(frozen=True)

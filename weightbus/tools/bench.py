@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightbus import comm, presets
+from weightbus import comm
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
+from weightbus.packing.shards import Box, chunk_box
+from weightbus.planning import presets
 from weightbus.runtime.local import Rendezvous, connect, spawn
-from weightbus.shards import Box, chunk_box
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
 

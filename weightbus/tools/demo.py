@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightbus.bench import raw_broadcast, raw_mooncake, raw_nixl
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.engines.cache import CacheEngine
 from weightbus.engines.collective import CollectiveEngine
@@ -38,6 +37,7 @@ from weightbus.engines.nixl import NixlEngine
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
+from weightbus.tools.bench import raw_broadcast, raw_mooncake, raw_nixl
 
 #: attention heads of the demo's model: its width must be a multiple of them
 HEADS = 4

@@ -6,7 +6,7 @@ Bandwidths are per GPU and per direction, in GB/s: ``nvlink_gbps`` is one GPU's 
 bandwidth to the other GPUs of its node, ``nic_gbps`` one NIC's (rail-aligned: GPU ``g`` of
 a node uses NIC ``g % nics_per_node``), ``pcie_gbps`` the GPU's link to its host (what a
 host-memory cache moves over), ``hbm_gbps`` the GPU's memory; ``host_mem_gib`` is a node's. They are the
-hardware's nominal figures; :mod:`weightbus.simulate` applies the efficiencies measured on
+hardware's nominal figures; :mod:`weightbus.planning.simulate` applies the efficiencies measured on
 our own machines.
 """
 
@@ -17,8 +17,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from weightbus import presets
 from weightbus.errors import PlanError
+from weightbus.planning import presets
 
 
 @dataclass(frozen=True)

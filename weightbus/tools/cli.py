@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
-    from weightbus.demo import DemoConfig
+    from weightbus.tools.demo import DemoConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +190,7 @@ def _logs_to_file(verbose: bool) -> Iterator[Callable[[str], None]]:
 
 def _check_demo(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
     """What no single option's type can check: options that need others, the machine."""
-    from weightbus.demo import CACHE_BACKENDS
+    from weightbus.tools.demo import CACHE_BACKENDS
     vllm = args.rollout == "vllm"
     if vllm:
         if args.backend in CACHE_BACKENDS:
@@ -222,7 +222,7 @@ def _check_demo(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> N
             error(f"--dim {cfg.dim} --layers {cfg.layers} with {cfg.trainers} + {cfg.rollouts} ranks needs "
                   f"~{need / 2**30:.1f} GiB of host memory, {have / 2**30:.1f} GiB is available: lower "
                   f"--dim, --layers, --bucket-mb or the ranks")
-        from weightbus.buffers import shm_room
+        from weightbus.packing.buffers import shm_room
         room, shm = shm_room(), cfg.shm_bytes()
         if room is not None and shm > room:
             error(f"--backend {cfg.backend} needs ~{shm / 2**20:.0f} MiB in /dev/shm, which has "
@@ -242,7 +242,7 @@ def _available_memory() -> int | None:
 
 
 def _demo_config(args: argparse.Namespace) -> DemoConfig:
-    from weightbus.demo import DemoConfig
+    from weightbus.tools.demo import DemoConfig
     return DemoConfig(backend=args.backend, trainers=args.trainers, rollouts=args.rollouts or 2,
                       steps=args.steps, dim=args.dim or 512, layers=args.layers,
                       bucket_mb=args.bucket_mb or 16, cache_dir=args.cache_dir)
@@ -252,7 +252,7 @@ def _demo(args: argparse.Namespace) -> int:
     _check_demo(args, args.parser.error)
     if args.rollout == "vllm":
         return _demo_vllm(args)
-    from weightbus.demo import at_scale_note, floor_note, run_demo
+    from weightbus.tools.demo import at_scale_note, floor_note, run_demo
 
     cfg = _demo_config(args)
     where = f" (cache in {cfg.cache_dir or tempfile.gettempdir()})" if cfg.backend == "disk" else ""
@@ -312,8 +312,8 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from weightbus import presets
-    from weightbus.bench import SCENARIOS, BenchConfig, main_bench
+    from weightbus.planning import presets
+    from weightbus.tools.bench import SCENARIOS, BenchConfig, main_bench
 
     error: Callable[[str], NoReturn] = args.parser.error
     gpu = torch.cuda.is_available()
@@ -411,8 +411,8 @@ def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParse
 
 def _demo_args(d: argparse.ArgumentParser) -> None:
     """``weightbus demo``'s options (their choices import what they name: only when used)."""
-    from weightbus.demo import HEADS
     from weightbus.engines.api import CheckpointEngineRegistry
+    from weightbus.tools.demo import HEADS
     d.add_argument("--backend", default="gloo", choices=CheckpointEngineRegistry.names(),
                    help="the weightbus engine that moves the weights (default: gloo)")
     d.add_argument("--rollout", choices=["torch", "vllm"], default="torch",
@@ -442,8 +442,8 @@ def _demo_args(d: argparse.ArgumentParser) -> None:
 
 def _bench_args(b: argparse.ArgumentParser) -> None:
     """``weightbus bench``'s options (their choices import what they name: only when used)."""
-    from weightbus import presets
-    from weightbus.bench import DISAGG_BACKENDS, SCENARIOS, TRAINER_DTYPES
+    from weightbus.planning import presets
+    from weightbus.tools.bench import DISAGG_BACKENDS, SCENARIOS, TRAINER_DTYPES
     b.add_argument("--scenario", action="append", choices=SCENARIOS,
                    help="repeatable; default: every one this machine can run")
     b.add_argument("--preset", action="append", choices=presets.names(), metavar="PRESET",
@@ -483,8 +483,8 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
 
 def _plan_args(q: argparse.ArgumentParser) -> None:
     """``weightbus plan``'s options (their choices import what they name: only when used)."""
-    from weightbus import presets
-    from weightbus.cluster import CLUSTERS, MODELS
+    from weightbus.planning import presets
+    from weightbus.planning.cluster import CLUSTERS, MODELS
     q.add_argument("--cluster", choices=list(CLUSTERS), default="h100", help="the nodes' kind")
     q.add_argument("--nodes", type=_int(1, 100_000, what=" (nodes)"),
                    help="nodes (default: as many as the layout needs)")
@@ -528,7 +528,7 @@ def _plan_args(q: argparse.ArgumentParser) -> None:
 
 def _model(text: str) -> str:
     from weightbus.errors import PlanError
-    from weightbus.planner import check_model
+    from weightbus.planning.planner import check_model
     try:
         return check_model(text)
     except PlanError as e:
@@ -549,9 +549,9 @@ def _counts(text: str) -> list[int]:
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
-    from weightbus.cluster import Layout, cluster
     from weightbus.errors import PlanError
-    from weightbus.planner import Question, answer, as_json, sweep_all, sweep_svg, sweep_text, table
+    from weightbus.planning.cluster import Layout, cluster
+    from weightbus.planning.planner import Question, answer, as_json, sweep_all, sweep_svg, sweep_text, table
 
     if args.plot and not args.sweep:
         args.parser.error("--plot draws the --sweep: give --sweep N,N,... too")

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightbus import native
 from weightbus.errors import PlanError
+from weightbus.packing import native
 from weightbus.plan import TRAILER_BYTES, Bucket, BucketPlan, Chunk, TensorMeta
 
 MAGIC = 0x57425553_0001  # "WBUS", format 1
@@ -264,7 +264,7 @@ _nbytes = operator.attrgetter("nbytes")
 
 class _HostCopy:
     """Byte copies between host tensors of one dtype and shape, a whole list in one native
-    call (:func:`weightbus.native.copy_library`: a memcpy per pair), for lists of many small
+    call (:func:`weightbus.packing.native.copy_library`: a memcpy per pair), for lists of many small
     tensors. On the CPU, torch's multi-tensor copy is a loop of full copies (~1 us each: a
     TensorIterator per pair), so 100k tensors of 1 KiB cost ~100 ms where their bytes take
     ~10.
@@ -317,7 +317,7 @@ class _HostCopy:
 
 def _device_copy(dsts: list[torch.Tensor]) -> Any:
     """The GPU's counterpart of :class:`_HostCopy` for ``dsts``: one Triton launch over a
-    chunk table (:mod:`weightbus.copy_triton`), or None where it does not apply (not one
+    chunk table (:mod:`weightbus.packing.copy_triton`), or None where it does not apply (not one
     GPU, no Triton, or ``WEIGHTBUS_DEVICE_COPY=0``, which keeps torch's multi-tensor copy)."""
     if not dsts or dsts[0].device.type != "cuda" or os.environ.get("WEIGHTBUS_DEVICE_COPY", "1") == "0":
         return None

@@ -3,7 +3,7 @@
 The schedule is the engines' own: :class:`~weightbus.plan.BucketPlan` says which sender
 packs which bucket (broadcast, chains, mooncake's reads), :meth:`ShardLayout.wants` and
 :meth:`ShardPlan._senders` which regions each rollout rank takes and which sender sends
-each tensor (sharded receive), :func:`weightbus.topology.choose` and ``layout`` the
+each tensor (sharded receive), :func:`weightbus.planning.topology.choose` and ``layout`` the
 trees ``nixl`` forwards along, :func:`weightbus.engines.delta.record_bytes` what a delta
 update's records weigh. Each backend's schedule is one function (``_schedule``); what is
 simulated is how its bytes cross the links:
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightbus import topology
-from weightbus.cluster import Cluster, Layout
 from weightbus.errors import PlanError
+from weightbus.packing.shards import Box, ShardLayout, ShardPlan, chunk_box
 from weightbus.plan import BucketPlan, Manifest, TensorMeta
-from weightbus.shards import Box, ShardLayout, ShardPlan, chunk_box
+from weightbus.planning import topology
+from weightbus.planning.cluster import Cluster, Layout
 
 GB = 1e9
 GiB = 1 << 30

@@ -1,4 +1,4 @@
-/* Copies of many small host tensors in one call (weightbus.native, buffers.CopyList):
+/* Copies of many small host tensors in one call (weightbus.packing.native, buffers.CopyList):
  * the address and byte-count tables are made once per list; a call costs a memcpy per
  * entry and nothing else. */
 #include <stdint.h>

@@ -1,0 +1,1 @@
+"""The command-line tools: ``weightbus`` (cli), its demo and its benchmark."""
