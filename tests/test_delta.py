@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 
-from weightbus.engines import delta as dm
 from weightbus.engines.delta import cpu as kernels
+from weightbus.engines.delta import encoding as drec
 from weightbus.engines.delta import gpu
+from weightbus.engines.delta import receiver as dr
+from weightbus.engines.delta import sender as ds
 from weightbus.plan import Manifest, TensorMeta
 
 SHAPES = [("a", (300, 7)), ("b", (5,)), ("c", (4096,)), ("d", (1,))]
@@ -35,35 +37,35 @@ def _mutate(weights, fraction, seed):
         flat = w.view(-1)
         k = max(1, round(flat.numel() * fraction))
         idx = torch.randint(0, flat.numel(), (k,), generator=g)
-        dm._bits(flat)[idx] += 1
+        drec._bits(flat)[idx] += 1
 
 
 def _deliver(recs, targets, manifest, full):
     slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8, device=targets[0].device)
-    dm._fill(slot, recs)
-    return dm._apply(slot, slot.numel(), targets, manifest, full)
+    ds._fill(slot, recs)
+    return dr._apply(slot, slot.numel(), targets, manifest, full)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_round_trip_every_kind(dtype):
     weights, manifest = _setup(dtype)
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
     kinds = set()
     for step, fraction in enumerate([0.001, 0.02, 0.2, 0.9]):
         _mutate(weights, fraction, step)
-        recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+        recs = ds.records(_pieces(weights), manifest, snaps, False, 1 << 20)
         kinds |= {r.head[1] for r in recs}
         _deliver(recs, targets, manifest, False)
         for w, t in zip(weights, targets, strict=True):
-            assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))  # bitwise
-    assert kinds == {dm.SPARSE, dm.BITMAP, dm.DENSE}  # each encoding chosen where it is smallest
+            assert torch.equal(drec._bits(w.view(-1)), drec._bits(t))  # bitwise
+    assert kinds == {drec.SPARSE, drec.BITMAP, drec.DENSE}  # each encoding chosen where it is smallest
 
 
 def test_small_buckets_split_records():
     weights, manifest = _setup()
-    recs = dm.records(_pieces(weights), manifest, dm.Snapshots(), True, 1024)
+    recs = ds.records(_pieces(weights), manifest, ds.Snapshots(), True, 1024)
     assert max(r.size for r in recs) <= 1024 and len(recs) > len(weights)
 
 
@@ -72,11 +74,11 @@ def test_grouped_diff_finds_the_same_changes():
     weights, manifest = _setup()
     snaps = [w.view(-1).clone() for w in weights]
     _mutate(weights, 0.05, 7)
-    group = dm._Batch()
+    group = ds._Batch()
     for i, (w, s) in enumerate(zip(weights, snaps, strict=True)):
         group.add(i, 0, w.view(-1), s.clone(), w.numel(), w.element_size())
-    grouped = list(dm._encode_group(group))
-    single = [dm.encode(i, 0, w.view(-1), s.clone(), False) for i, (w, s) in enumerate(zip(weights, snaps,
+    grouped = list(ds._encode_group(group))
+    single = [ds.encode(i, 0, w.view(-1), s.clone(), False) for i, (w, s) in enumerate(zip(weights, snaps,
                                                                                           strict=True))]
     single = [r for r in single if r is not None]
     assert [r.head for r in grouped] == [r.head for r in single]
@@ -89,10 +91,10 @@ def test_grouped_diff_finds_the_same_changes():
 def test_changed_positions(dtype, n):
     a = (torch.randn(n) * 10).to(dtype)
     b = a.clone()
-    dm._bits(b)[torch.randint(0, n, (max(1, n // 10),))] += 1
+    drec._bits(b)[torch.randint(0, n, (max(1, n // 10),))] += 1
     for sl in (slice(None), slice(1, None)):  # aligned, and not 8-byte aligned
-        want = (dm._bits(b)[sl] != dm._bits(a)[sl]).nonzero().squeeze(1)
-        assert torch.equal(dm._changed(dm._bits(b)[sl], dm._bits(a)[sl]).sort().values, want)
+        want = (drec._bits(b)[sl] != drec._bits(a)[sl]).nonzero().squeeze(1)
+        assert torch.equal(drec._changed(drec._bits(b)[sl], drec._bits(a)[sl]).sort().values, want)
 
 
 def _as_on_a_gpu(monkeypatch):
@@ -108,7 +110,7 @@ def _as_on_a_gpu(monkeypatch):
     monkeypatch.setattr(gpu, "_tried", False)
     monkeypatch.setattr(kernels, "usable", lambda *tensors: None)
     monkeypatch.setattr(gpu, "usable", lambda *tensors: gpu.kernels())
-    monkeypatch.setattr(dm, "_grouped", lambda t: True)
+    monkeypatch.setattr(ds, "_grouped", lambda t: True)
     assert gpu.kernels() is not None
 
 
@@ -130,11 +132,11 @@ DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64]
 
 def _records_both(weights, manifest, snaps_k, snaps_t, full, capacity):
     """The same pieces through the kernels and through torch (each with its own snapshots)."""
-    got = dm.records(_pieces(weights), manifest, snaps_k, full, capacity)
+    got = ds.records(_pieces(weights), manifest, snaps_k, full, capacity)
     real = kernels.usable
     try:
         kernels.usable = lambda *tensors: None
-        want = dm.records(_pieces(weights), manifest, snaps_t, full, capacity)
+        want = ds.records(_pieces(weights), manifest, snaps_t, full, capacity)
     finally:
         kernels.usable = real
     return got, want
@@ -161,20 +163,20 @@ def test_kernels_make_the_records_torch_makes(dtype, capacity, batch, monkeypatc
     """The C kernels' records and snapshots are the torch path's, bit for bit (capacity
     1000: records split mid-word, unaligned; batch 700: many calls in flight on threads)."""
     if batch is not None:
-        monkeypatch.setattr(dm, "_BATCH", batch)
+        monkeypatch.setattr(ds, "_BATCH", batch)
         monkeypatch.setenv("WEIGHTBUS_DELTA_THREADS", "2")
     shapes = [("a", (300, 7)), ("b", (5,)), ("c", (4099,)), ("d", (1,)), ("e", (64, 33))]
     g = torch.Generator().manual_seed(3)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
     manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
-    sk, st = dm.Snapshots(), dm.Snapshots()
+    sk, st = ds.Snapshots(), ds.Snapshots()
     _records_both(weights, manifest, sk, st, True, capacity)
     kinds = set()
     for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
         _mutate(weights, fraction, 10 + step)
         kinds |= _same_records(*_records_both(weights, manifest, sk, st, False, capacity))
         assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)  # snapshots too
-    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+    assert {drec.SPARSE, drec.BITMAP, drec.DENSE} <= kinds
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,29 +185,29 @@ def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, group, monkey
     """The Triton kernels' records (kinds, digests, bodies with their padding) and snapshots
     are the torch path's, bit for bit (also with many groups in flight at once)."""
     if group is not None:
-        monkeypatch.setattr(dm, "_GROUP", group)
+        monkeypatch.setattr(ds, "_GROUP", group)
     # (pieces of whole blocks only, whole blocks and a partial one, a partial one only)
     shapes = [("a", (300, 7)), ("b", (5,)), ("c", (9001,)), ("d", (1,)), ("e", (64, 33)), ("f", (2, 4096))]
     g = torch.Generator().manual_seed(4)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
     manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
-    sk, st = dm.Snapshots(), dm.Snapshots()
-    want = [dm.records(_pieces(weights), manifest, st, True, capacity)]
+    sk, st = ds.Snapshots(), ds.Snapshots()
+    want = [ds.records(_pieces(weights), manifest, st, True, capacity)]
     with monkeypatch.context() as m:
         _as_on_a_gpu(m)
-        got = [dm.records(_pieces(weights), manifest, sk, True, capacity)]
+        got = [ds.records(_pieces(weights), manifest, sk, True, capacity)]
     kinds = set()
     for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
         _mutate(weights, fraction, 20 + step)
         with monkeypatch.context() as m:
             m.setattr(kernels, "usable", lambda *tensors: None)
-            want = dm.records(_pieces(weights), manifest, st, False, capacity)
+            want = ds.records(_pieces(weights), manifest, st, False, capacity)
         with monkeypatch.context() as m:
             _as_on_a_gpu(m)
-            got = dm.records(_pieces(weights), manifest, sk, False, capacity)
+            got = ds.records(_pieces(weights), manifest, sk, False, capacity)
         kinds |= _same_records(got, want)
         assert all(torch.equal(sk.pieces[key], st.pieces[key]) for key in st.pieces)
-    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
+    assert {drec.SPARSE, drec.BITMAP, drec.DENSE} <= kinds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the interpreter covers the logic)")
@@ -220,31 +222,31 @@ def test_gpu_kernels_on_cuda(monkeypatch):
     weights = [(torch.randn(s, generator=g, device="cuda") * 20).to(d) for (_, s), d in zip(shapes, dtypes,
                                                                                              strict=True)]
     manifest = Manifest(TensorMeta(n, d, s) for (n, s), d in zip(shapes, dtypes, strict=True))
-    sk, st = dm.Snapshots(), dm.Snapshots()
+    sk, st = ds.Snapshots(), ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, sk, True, 1 << 20), targets, manifest, True)
-    dm.records(_pieces(weights), manifest, st, True, 1 << 20)
+    _deliver(ds.records(_pieces(weights), manifest, sk, True, 1 << 20), targets, manifest, True)
+    ds.records(_pieces(weights), manifest, st, True, 1 << 20)
     kinds = set()
     for fraction in [0.0005, 0.01, 0.05, 0.3, 0.95]:
         for w in weights:
-            flat = dm._bits(w.view(-1))
+            flat = drec._bits(w.view(-1))
             flat[torch.randint(0, flat.numel(), (max(1, round(flat.numel() * fraction)),), device="cuda",
                                generator=g)] += 1
-        got = dm.records(_pieces(weights), manifest, sk, False, 5000)
+        got = ds.records(_pieces(weights), manifest, sk, False, 5000)
         with monkeypatch.context() as m:
             m.setattr(gpu, "usable", lambda *tensors: None)
-            want = dm.records(_pieces(weights), manifest, st, False, 5000)
+            want = ds.records(_pieces(weights), manifest, st, False, 5000)
         kinds |= _same_records(got, want)
         _deliver(got, targets, manifest, False)
-        assert all(torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+        assert all(torch.equal(drec._bits(w.view(-1)), drec._bits(t))
                    for w, t in zip(weights, targets, strict=True))
-    assert {dm.SPARSE, dm.BITMAP, dm.DENSE} <= kinds
-    dm._bits(weights[5].view(-1))[[3, 5000, 60000]] += 1
-    recs = dm.records(_pieces(weights), manifest, sk, False, 5000)  # (the capacity the snapshots were cut by)
-    assert [r.head[:2] for r in recs] == [[5, dm.SPARSE]] * 3
+    assert {drec.SPARSE, drec.BITMAP, drec.DENSE} <= kinds
+    drec._bits(weights[5].view(-1))[[3, 5000, 60000]] += 1
+    recs = ds.records(_pieces(weights), manifest, sk, False, 5000)  # (the capacity the snapshots were cut by)
+    assert [r.head[:2] for r in recs] == [[5, drec.SPARSE]] * 3
     recs[0].body = [_body(recs[0])]
     recs[0].body[0][-8] ^= 1  # (a byte of its values)
-    with pytest.raises(dm._Drift, match="tensor 'f': elements .* do not match the trainer's"):
+    with pytest.raises(dr._Drift, match="tensor 'f': elements .* do not match the trainer's"):
         _deliver(recs, targets, manifest, False)
 
 
@@ -254,51 +256,51 @@ def test_every_kind_lands_bitwise_either_way(dtype, path):
     g = torch.Generator().manual_seed(5)
     weights = [(torch.randn(s, generator=g) * 20).to(dtype) for _, s in shapes]
     manifest = Manifest(TensorMeta(n, dtype, s) for n, s in shapes)
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
     for step, fraction in enumerate([0.001, 0.02, 0.2, 0.9]):
         _mutate(weights, fraction, step)
-        recs = dm.records(_pieces(weights), manifest, snaps, False, 999)
+        recs = ds.records(_pieces(weights), manifest, snaps, False, 999)
         _deliver(recs, targets, manifest, False)
         for w, t in zip(weights, targets, strict=True):
-            assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+            assert torch.equal(drec._bits(w.view(-1)), drec._bits(t))
 
 
 def test_corrupt_or_misplaced_patch_is_named_either_way(path):
     weights, manifest = _setup()
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
     _mutate(weights, 0.01, 1)
-    recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
-    sparse = next(r for r in recs if r.head[1] == dm.SPARSE)
+    recs = ds.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+    sparse = next(r for r in recs if r.head[1] == drec.SPARSE)
     name, k = SHAPES[sparse.head[0]][0], sparse.head[4]
     body = torch.cat(sparse.body)  # positions, then values, each padded
     sparse.body = [body]
-    values, positions = body.numel() - dm._pad(2 * k), body[:4 * k].view(torch.int32)
+    values, positions = body.numel() - drec._pad(2 * k), body[:4 * k].view(torch.int32)
     body[values] ^= 1  # a value's bit, after the trainer took its digest
-    with pytest.raises(dm._Drift, match=f"tensor '{name}': elements .* do not match the trainer's"):
+    with pytest.raises(dr._Drift, match=f"tensor '{name}': elements .* do not match the trainer's"):
         _deliver([sparse], [t.clone() for t in targets], manifest, False)
     body[values] ^= 1
     positions[0] += 1  # a position moved
-    with pytest.raises(dm._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
+    with pytest.raises(dr._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
         _deliver([sparse], [t.clone() for t in targets], manifest, False)
     positions[0] = 1 << 30  # a position outside the tensor: nothing written there
-    with pytest.raises(dm._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
+    with pytest.raises(dr._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
         _deliver([sparse], [t.clone() for t in targets], manifest, False)
 
 
 def test_drifted_receiver_is_named_either_way(path):
     """A receiver whose copy is not the trainer's previous version where a patch lands."""
     weights, manifest = _setup()
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
     targets[2][100] = 7  # tensor 'c' drifted here ...
-    dm._bits(weights[2].view(-1))[100] += 1  # ... and the trainer changes that element
-    with pytest.raises(dm._Drift, match="tensor 'c': elements .* do not match the trainer's"):
-        _deliver(dm.records(_pieces(weights), manifest, snaps, False, 1 << 20), targets, manifest, False)
+    drec._bits(weights[2].view(-1))[100] += 1  # ... and the trainer changes that element
+    with pytest.raises(dr._Drift, match="tensor 'c': elements .* do not match the trainer's"):
+        _deliver(ds.records(_pieces(weights), manifest, snaps, False, 1 << 20), targets, manifest, False)
 
 
 def test_no_compiler_means_the_torch_path(tmp_path):
@@ -355,12 +357,12 @@ def test_kernel_bitmap_patch_counts_its_bits_and_refuses_one_past_its_end(n, ker
     on = [0, 7, n // 2, n - 1]
     vals = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int16)
     for past in (False, True):
-        bits = torch.zeros(dm._pad((n + 7) // 8), dtype=torch.uint8)
+        bits = torch.zeros(drec._pad((n + 7) // 8), dtype=torch.uint8)
         for i in on + ([n] if past else []):
             bits[i // 8] |= 1 << (i % 8)
         dst = torch.zeros(n + 1, dtype=torch.int16)  # (one more: a write past n would show)
         k = 5 if past else 4
-        rows = torch.tensor([[dm.BITMAP, dst.data_ptr(), n, 2, 0, bits.data_ptr(), vals.data_ptr(), k]])
+        rows = torch.tensor([[drec.BITMAP, dst.data_ptr(), n, 2, 0, bits.data_ptr(), vals.data_ptr(), k]])
         status = int(patch(rows)[0, 1])
         assert int(dst[n]) == 0
         if past:
@@ -385,23 +387,23 @@ def test_malformed_buckets_are_refused_either_way(path):
     the tensor, a record past the bucket's end, a bitmap whose bits disagree with its
     count) is refused before a byte of it is written."""
     weights, manifest = _setup()
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(dm.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
     _mutate(weights, 0.2, 4)  # (20 %: bitmaps)
-    recs = dm.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+    recs = ds.records(_pieces(weights), manifest, snaps, False, 1 << 20)
     slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8)
-    dm._fill(slot, recs)
-    heads = slot[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)
-    bitmap = next(i for i, r in enumerate(recs) if r.head[1] == dm.BITMAP)
+    ds._fill(slot, recs)
+    heads = slot[8:8 + len(recs) * drec._HEADER].view(torch.int64).view(len(recs), drec._WORDS)
+    bitmap = next(i for i, r in enumerate(recs) if r.head[1] == drec.BITMAP)
 
     def refused(row, col, value, match):
         bad = slot.clone()
-        h = bad[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)
+        h = bad[8:8 + len(recs) * drec._HEADER].view(torch.int64).view(len(recs), drec._WORDS)
         h[row, col] = value
         before = [t.clone() for t in targets]
-        with pytest.raises(dm._Drift, match=match):
-            dm._apply(bad, bad.numel(), targets, manifest, False)
+        with pytest.raises(dr._Drift, match=match):
+            dr._apply(bad, bad.numel(), targets, manifest, False)
         return before
 
     refused(0, 1, 9, "malformed .*kind 9")
@@ -409,17 +411,17 @@ def test_malformed_buckets_are_refused_either_way(path):
     for col, value in ((2, 1 << 40), (3, -1), (2, (1 << 62))):  # start, n
         before = refused(0, col, value, "lies outside")
         assert all(torch.equal(a, b) for a, b in zip(before, targets, strict=True))  # nothing written
-    assert recs[0].head[1] != dm.DENSE
-    refused(0, 1, dm.DENSE, "runs past its bucket")  # its values whole: longer than what it carries
+    assert recs[0].head[1] != drec.DENSE
+    refused(0, 1, drec.DENSE, "runs past its bucket")  # its values whole: longer than what it carries
     refused(bitmap, 4, int(heads[bitmap, 4]) - 1, "says .* changes but its bitmap has")
-    patches = [i for i, r in enumerate(recs) if r.head[1] != dm.DENSE]
+    patches = [i for i, r in enumerate(recs) if r.head[1] != drec.DENSE]
     for row in (patches[0], patches[-1]):  # a patch that says it carries nothing (first, last)
         refused(row, 4, 0, "tensor '")
     bad = slot.clone()  # the last record: positions, none of them (nothing for a GPU to launch)
-    bad[8:8 + len(recs) * dm._HEADER].view(torch.int64).view(len(recs), dm._WORDS)[-1, [1, 4]] = \
-        torch.tensor([dm.SPARSE, 0])
-    with pytest.raises(dm._Drift):
-        dm._apply(bad, bad.numel(), targets, manifest, False)
+    bad[8:8 + len(recs) * drec._HEADER].view(torch.int64).view(len(recs), drec._WORDS)[-1, [1, 4]] = \
+        torch.tensor([drec.SPARSE, 0])
+    with pytest.raises(dr._Drift):
+        dr._apply(bad, bad.numel(), targets, manifest, False)
 
 
 @pytest.mark.parametrize("capacity", [1 << 20, 3000, 700])
@@ -431,23 +433,23 @@ def test_buckets_of_blocks_land_bitwise(capacity, path):
     g = torch.Generator().manual_seed(9)
     weights = [torch.randn(s, generator=g).to(torch.bfloat16) for _, s in shapes]
     manifest = Manifest(TensorMeta(n, torch.bfloat16, s) for n, s in shapes)
-    snaps = dm.Snapshots()
+    snaps = ds.Snapshots()
     targets = [torch.zeros_like(w).view(-1) for w in weights]
     for step, fraction in enumerate([None, 0.02, 0.3]):
         if fraction is not None:
             _mutate(weights, fraction, 20 + step)
-        items = dm._records(_pieces(weights), manifest, snaps, fraction is None, capacity - 16)
-        buckets = list(dm._buckets(items, capacity - 8))
+        items = ds._records(_pieces(weights), manifest, snaps, fraction is None, capacity - 16)
+        buckets = list(ds._buckets(items, capacity - 8))
         if fraction is not None and path == "kernels":
-            assert any(isinstance(it, dm.Block) for b in buckets for it in b)
+            assert any(isinstance(it, ds.Block) for b in buckets for it in b)
         for b in buckets:
             size = 8 + sum(it.size for it in b)
             assert size <= capacity - 8
             slot = torch.zeros(size, dtype=torch.uint8)
-            dm._fill(slot, b)
-            dm._apply(slot, size, targets, manifest, fraction is None)
+            ds._fill(slot, b)
+            dr._apply(slot, size, targets, manifest, fraction is None)
         for w, t in zip(weights, targets, strict=True):
-            assert torch.equal(dm._bits(w.view(-1)), dm._bits(t))
+            assert torch.equal(drec._bits(w.view(-1)), drec._bits(t))
 
 
 def test_gpu_block_layout_sums_each_piece_in_element_order():
@@ -485,13 +487,13 @@ def test_whole_digests_agree_either_way(path):
     g = torch.Generator().manual_seed(3)
     shapes = [(300, 7), (5,), (4099,), (1,), (0,)]
     tensors = [(torch.randn(s, generator=g) * 20).to(dt).view(-1) for s in shapes for dt in DTYPES]
-    want = torch.stack([dm._weighted_range(0, dm._bits(t).long()) for t in tensors])
+    want = torch.stack([drec._weighted_range(0, drec._bits(t).long()) for t in tensors])
     before = [t.clone() for t in tensors]
-    got = dm.digests(tensors)
+    got = dr.digests(tensors)
     assert torch.equal(got, want)
-    assert all(torch.equal(dm._bits(a), dm._bits(b)) for a, b in zip(tensors, before, strict=True))
-    dm._bits(tensors[9])[4000] ^= 1  # one bit of one element
-    changed = (dm.digests(tensors) != got).nonzero().squeeze(1).tolist()
+    assert all(torch.equal(drec._bits(a), drec._bits(b)) for a, b in zip(tensors, before, strict=True))
+    drec._bits(tensors[9])[4000] ^= 1  # one bit of one element
+    changed = (dr.digests(tensors) != got).nonzero().squeeze(1).tolist()
     assert changed == [9]
 
 
@@ -501,5 +503,5 @@ def test_whole_digests_on_cuda():
     g = torch.Generator().manual_seed(4)
     tensors = [(torch.randn(s, generator=g) * 20).to(dt).view(-1).cuda()
                for s in [(300, 7), (5,), (4099,), (1 << 20,), (0,)] for dt in DTYPES]
-    want = torch.stack([dm._weighted_range(0, dm._bits(t.cpu()).long()) for t in tensors])
-    assert torch.equal(dm.digests(tensors), want)
+    want = torch.stack([drec._weighted_range(0, drec._bits(t.cpu()).long()) for t in tensors])
+    assert torch.equal(dr.digests(tensors), want)

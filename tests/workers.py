@@ -530,7 +530,9 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     naming the tensor; the next goes full). (Late joiners: tests/test_manager.py.)"""
     from torch.distributed.tensor import Replicate
 
-    import weightbus.engines.delta as dm
+    from weightbus.engines.delta import encoding as drec
+    from weightbus.engines.delta import receiver as dr
+    from weightbus.engines.delta import sender as ds
     torch.set_num_threads(1)
     os.environ["WEIGHTBUS_DELTA_ROUNDS"] = "4"  # (the default where buckets are on a GPU)
     is_trainer = rank < T
@@ -538,7 +540,8 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     engine = CheckpointEngineRegistry.new(backend, role="trainer" if is_trainer else "rollout", delta=True,
                                           bucket_size=1 << 16, timeout=30)
     rounds = [0]
-    _count_calls(dm, "_plan", rounds)
+    for side in (ds, dr):  # (a rank runs one side: its rounds are its calls to _plan)
+        _count_calls(side, "_plan", rounds)
     connect(engine, rdv, T, R)
     log: list[dict] = []
     if is_trainer:
@@ -577,24 +580,24 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
             before, rounds[0] = gathers[0], 0
             source = ModuleSource(model, dtype=torch.bfloat16)
             if corrupt and rank == 0:
-                orig = dm._buckets
+                orig = ds._buckets
 
                 def bad(recs, capacity):  # every bucket a trainer sends passes here
                     for bucket in orig(recs, capacity):
                         # (a block's records are views of its body: flipping one flips the block)
-                        for r in (x for it in bucket for x in (it.records() if isinstance(it, dm.Block)
+                        for r in (x for it in bucket for x in (it.records() if isinstance(it, ds.Block)
                                                               else [it])):
-                            if not bad.done and r.head[1] in (dm.SPARSE, dm.BITMAP):
+                            if not bad.done and r.head[1] in (drec.SPARSE, drec.BITMAP):
                                 bad.done = True
                                 # the values end the body: flip a bit of the first, after its digest
-                                r.body[-1][r.body[-1].numel() - dm._pad(2 * r.head[4])] ^= 1
+                                r.body[-1][r.body[-1].numel() - drec._pad(2 * r.head[4])] ^= 1
                         yield bucket
                 bad.done = False
-                dm._buckets = bad
+                ds._buckets = bad
             rdv.all_gather(None)
             out = _outcome(lambda: _send(engine, source).wire_bytes)
             if corrupt and rank == 0:
-                dm._buckets = orig
+                ds._buckets = orig
             out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
                        full=engine.last_full, rounds=rounds[0], went=getattr(engine.last_stats, "delta", "?"))
         else:

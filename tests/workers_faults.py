@@ -108,15 +108,15 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
             sh._Places.unpack = unpack_then_lose
             asyncio.run(sink.load(engine.receive_weights()))
         elif doomed and phase == "mid-update" and delta:
-            import weightbus.engines.delta as dm
-            real, calls = dm._apply, [0]
+            from weightbus.engines.delta import receiver as dr
+            real, calls = dr._apply, [0]
 
             def apply_then_lose(*a, **k):
                 calls[0] += 1
                 if calls[0] == 2:
                     _lose(how)
                 return real(*a, **k)
-            dm._apply = apply_then_lose
+            dr._apply = apply_then_lose
             asyncio.run(sink.load(engine.receive_weights()))
         elif doomed and phase == "mid-update":
             async def consume_then_lose():

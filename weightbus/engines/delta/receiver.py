@@ -1,0 +1,326 @@
+"""Delta mode, receiver side: apply each record in place, each checked by its digest,
+and verify the whole destinations every ``verify_every`` updates (see the package's
+docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weightbus.engines.delta import cpu as kernels
+from weightbus.engines.delta import gpu
+from weightbus.engines.delta.encoding import (
+    _HEADER,
+    _MASK,
+    _WORDS,
+    BITMAP,
+    DENSE,
+    DIGEST,
+    FULL,
+    SPARSE,
+    _bits,
+    _pad,
+    _unpack_bits,
+    _weighted,
+    _weighted_range,
+)
+from weightbus.engines.delta.protocol import Engine, _agree, _plan, _PlanView
+from weightbus.packing import buffers
+from weightbus.plan import Bucket, Manifest
+
+
+class Chain:
+    """A receiver's record of what it holds: the version, a digest of every patch applied
+    since its last full update (equal on receivers that applied the same ones), and the
+    running digest each destination tensor should have (see the module's step 5)."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.digest = 0
+        self.sums: torch.Tensor | None = None  # int64 per tensor, on the host (None: not known)
+        self.unchecked = 0  # delta updates applied since the destinations were last checked
+
+
+def receive(engine: Engine, version: int, manifest: Manifest,
+            error: str | None) -> tuple[str | None, int, int]:
+    """The receiver side of one delta-mode update (after the header): applies every record
+    into the destinations. Returns (error, bytes, buckets)."""
+    chain: Chain = engine._chain  # type: ignore[attr-defined]
+    dest = engine._dest
+    held = chain.version if dest is not None and engine.version == chain.version else None
+    full = engine.last_full = not _agree(engine, held, chain.digest)
+    targets: list[torch.Tensor | None] = []
+    if error is None:
+        if dest is None:
+            error = (f"{engine.where()}: delta mode writes in place: call set_destinations() (the "
+                     f"manager's workers do it from their sink) before receiving")
+        else:
+            targets, error = _targets(engine, manifest, dest)
+    chain.version, applied = None, 0
+    verify = engine.verify_every > 0
+    moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if verify and not full else None
+    every: list[Bucket] = []  # every round's buckets
+    go_on = True
+    while go_on:
+        plan, go_on = _plan(engine, [], every)
+        for b in plan[: engine.num_buffers]:
+            engine._post_recv(b)
+        for i, b in enumerate(plan):
+            slot = engine._wait_recv(b)
+            status, msg = buffers.check_trailer(slot, b, version, engine.where())
+            if status != buffers.STATUS_OK and error is None:
+                error = msg or f"{engine.where()}: bucket {b.index} arrived with status {status}"
+            if error is None:
+                engine.version = None  # from the first byte written on, the old version is gone
+                try:
+                    with torch.no_grad():  # destinations may be parameters
+                        applied += _apply(slot, b.used, targets, manifest, full, moved)
+                except _Drift as e:
+                    error = f"{engine.where()}: {e}"
+                except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                    error = f"{engine.where()}: applying bucket {b.index}: {e}"
+            engine._release(b)
+            if i + engine.num_buffers < len(plan):
+                engine._post_recv(plan[i + engine.num_buffers])
+        every += plan
+    engine._flush_recv(_PlanView(every))
+    if error is None and verify:
+        error = _verify(engine, chain, targets, manifest, version, moved)
+    if error is not None or not verify:
+        chain.sums = None
+    if error is None:
+        chain.digest = ((version * 7919 + 1) if full else
+                        (chain.digest * 1000003 + applied + version)) & _MASK
+        engine._delta_pending = (version, full)  # type: ignore[attr-defined]
+    return error, sum(b.wire_bytes for b in every), len(every)
+
+
+class _Drift(Exception):
+    pass
+
+
+def _verify(engine: Engine, chain: Chain, targets: Any, manifest: Manifest, version: int,
+            moved: torch.Tensor | None) -> str | None:
+    """Step 5: move every destination's running digest by what this update applied
+    (``moved``, None: a full update, which sets them from the tensors), and, when a check is
+    due, compare them with a fresh pass over the destinations. Returns the error, or None."""
+    if moved is None or chain.sums is None:  # (a full update; or a joiner's first delta: from here)
+        chain.sums, chain.unchecked = digests(targets), 0
+        return None
+    chain.sums += moved
+    chain.unchecked += 1
+    if chain.unchecked < engine.verify_every:
+        return None
+    chain.unchecked = 0
+    bad = (digests(targets) != chain.sums).nonzero().squeeze(1).tolist()
+    if not bad:
+        return None
+    names = ", ".join(repr(manifest.metas[i].name) for i in bad[:3]) + (f" and {len(bad) - 3} more"
+                                                                       if len(bad) > 3 else "")
+    return (f"{engine.where()}: delta mode: this rank's copy of {names} no longer holds what the "
+            f"trainer sent: it changed at elements no patch touched since it was last checked (a bit "
+            f"flip, or something other than weightbus wrote it). Version {version} is not held; the "
+            f"next update is sent whole (a dense resync)")
+
+
+def digests(targets: list[torch.Tensor]) -> torch.Tensor:
+    """Every flat tensor's whole digest, ``sum(w(i) * x[i])`` over its elements' bit
+    patterns (int64 on the host): one read of each, by the kernels of their device (a
+    row per tensor, in one call) or, without them, by torch ops."""
+    if not isinstance(targets, _Targets):
+        targets = _Targets(targets)
+    if not len(targets):
+        return torch.zeros(0, dtype=torch.int64)
+    size = targets.size
+    if targets.device is not None:
+        if (lib := kernels.usable(targets[0])) is not None:  # (a row each, written nowhere)
+            zero = torch.zeros_like(size)
+            rows = torch.stack([torch.full_like(size, DIGEST), targets.addr, size, targets.esize, zero, zero,
+                                zero, size], 1)
+            return kernels.apply_many(lib, rows)[:, 0].clone()
+        if gpu.usable(targets[0]) is not None:
+            return gpu.digests(targets.addr, size, targets.esize, targets.device)
+    return torch.stack([_weighted_range(0, _bits(t).long()).cpu() for t in targets])
+
+
+def _apply_torch(kind: int, raw: torch.Tensor, vals: torch.Tensor, sub: torch.Tensor, n: int, k: int,
+                 start: int, name: str, r: int, bounds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A SPARSE or BITMAP record written by torch ops (a GPU, or no C kernels); returns our
+    digest (a 0-d tensor, read back with the bucket's others)."""
+    if kind == SPARSE:
+        pos = raw.view(torch.int32).long()
+        bounds.append((r, ((pos < 0) | (pos >= n)).any()))
+        pos = pos.clamp(0, max(n - 1, 0))  # an out-of-range position fails the check, not here
+    else:
+        pos = _unpack_bits(raw, n).nonzero().squeeze(1)
+        if pos.numel() != k:
+            raise _Drift(f"tensor {name!r}: a patch of elements [{start}, {start + n}) says "
+                         f"{k} changes but its bitmap has {pos.numel()}")
+    old = torch.index_select(_bits(sub), 0, pos)  # (index_select, index_copy_: ~2x fancy indexing)
+    sub.index_copy_(0, pos, vals)
+    return _weighted(pos + start, _bits(vals).long() - old.long())
+
+
+class _Targets(list):  # type: ignore[type-arg]
+    """The flat destination of every tensor and, read once per update (not per record),
+    their addresses, sizes and element sizes as (host) tensors, and the device all are on
+    (None: more than one; then a bucket is laid out by tensor ops and written by the
+    kernels of that device)."""
+
+    def __init__(self, flat: list[torch.Tensor]):
+        super().__init__(flat)
+        at = [(t.data_ptr(), t.numel(), t.element_size()) for t in flat]
+        self.addr, self.size, self.esize = (torch.tensor([w[i] for w in at], dtype=torch.int64)
+                                            for i in range(3))
+        devices = {t.device for t in flat}
+        self.device = devices.pop() if len(devices) == 1 else None
+
+
+def _targets(engine: Engine, manifest: Manifest, dest: dict[str, torch.Tensor]
+             ) -> tuple[list[torch.Tensor | None], str | None]:
+    """Every tensor's destination, flat and checked; kept for the next update while the
+    destinations are the same tensors at the same addresses (a check per tensor that costs
+    a fraction of making them: models with many small tensors)."""
+    held = getattr(engine, "_delta_targets", None)  # (dest, fingerprint, size, tensors, targets)
+    fp = manifest.tensors_fingerprint
+    if held is not None and held[0] is dest and held[1] == fp and held[2] == len(dest) \
+            and [t.data_ptr() for t in held[3]] == held[4].addr.tolist():
+        return held[4], None
+    out: list[torch.Tensor | None] = []
+    originals = []
+    for m in manifest.metas:
+        t = dest.get(m.name)
+        if t is None or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape) or not t.is_contiguous():
+            have = "none" if t is None else f"{t.dtype}{list(t.shape)}"
+            return [], (f"{engine.where()}: delta mode writes every tensor in place, but the destination "
+                        f"of {m.describe()} is {have} (a contiguous tensor of the wire dtype and shape "
+                        f"is needed)")
+        originals.append(t)
+        out.append(t.view(-1))
+    targets = _Targets(out)
+    engine._delta_targets = (dest, fp, len(dest), originals, targets)  # type: ignore[attr-defined]
+    return targets, None
+
+
+def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool,
+           moved: torch.Tensor | None = None) -> int:
+    """Write every record of a bucket into its target; returns the sum of their digests,
+    and adds each into its tensor's entry of ``moved`` (where given).
+    Reads the directory once and checks every digest (and position) at once at the end:
+    host tensors by the C kernels, a call per thread for the whole bucket; others by
+    torch ops."""
+    if used < 8:
+        return 0
+    count = int(slot[:8].view(torch.int64).item())
+    if not 0 <= count <= (used - 8) // _HEADER:
+        raise _Drift(f"a delta bucket is malformed (it says {count} records in {used} bytes)")
+    if not isinstance(targets, _Targets):
+        targets = _Targets(targets)
+    if count and targets.device is not None and targets.device != slot.device:
+        # (a host bucket for GPU tensors, as gloo moves: the records are few bytes, one copy
+        # of them to the tensors' device, then its kernels)
+        slot = slot[:used].to(targets.device)
+    if count and targets.device == slot.device:
+        if (lib := kernels.usable(slot)) is not None:
+            return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
+                                 manifest, moved)
+        if gpu.usable(slot) is not None:
+            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device), slot, used, count, targets,
+                                 manifest, moved)
+    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
+    offset, total = 8 + count * _HEADER, 0
+    checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
+    bounds: list[tuple[int, torch.Tensor]] = []  # (record, whether a position was out of range)
+    for r, (index, kind, start, n, k, digest) in enumerate(heads):
+        if not 0 <= index < len(targets) or kind not in (FULL, SPARSE, BITMAP, DENSE):
+            raise _Drift(f"a delta record is malformed (tensor {index}, kind {kind})")
+        dst = targets[index]
+        size, e = dst.numel(), dst.element_size()
+        if start < 0 or n < 0 or not 0 <= k <= n or start + n > size:
+            raise _Drift(f"tensor {manifest.metas[index].name!r}: a record for elements [{start}, "
+                         f"{start + n}) lies outside its {size}")
+        where = offset  # positions or bitmap (none for dense values)
+        if kind in (SPARSE, BITMAP):
+            offset += _pad(4 * k) if kind == SPARSE else _pad((n + 7) // 8)
+        values = offset
+        offset += _pad((n if kind in (FULL, DENSE) else k) * e)
+        if offset > used:
+            raise _Drift(f"tensor {manifest.metas[index].name!r}: a delta record runs past its bucket")
+        total += digest if kind != FULL else 0
+        meta = manifest.metas[index]
+        sub = dst[start:start + n]
+        if kind == FULL:
+            sub.copy_(slot[values:values + n * e].view(meta.dtype))
+        elif kind == DENSE:
+            vals = slot[values:values + n * e].view(meta.dtype).to(sub.device)  # (targets on many devices)
+            checks.append((r, _weighted_range(start, _bits(vals).long() - _bits(sub).long()), digest))
+            sub.copy_(vals)
+        else:
+            raw = slot[where:where + (4 * k if kind == SPARSE else (n + 7) // 8)].to(sub.device)
+            vals = slot[values:values + k * e].view(meta.dtype).to(sub.device)
+            checks.append((r, _apply_torch(kind, raw, vals, sub, n, k, start, meta.name, r, bounds), digest))
+    bad = set()
+    if bounds:
+        flags = torch.stack([f for _, f in bounds]).tolist()
+        bad |= {r for (r, _), f in zip(bounds, flags, strict=True) if f}
+    if checks:
+        ours = torch.stack([torch.as_tensor(d, dtype=torch.int64, device=slot.device) for _, d, _ in checks])
+        theirs = torch.tensor([d for _, _, d in checks], dtype=torch.int64, device=slot.device)
+        bad |= {checks[i][0] for i in (ours != theirs).nonzero().squeeze(1).tolist()}
+    if bad:
+        raise _mismatch(heads[min(bad)], manifest)
+    if moved is not None and heads:
+        at = torch.tensor(heads, dtype=torch.int64)
+        patch = at[:, 1] != FULL
+        moved.index_add_(0, at[patch, 0], at[patch, 5])
+    return total
+
+
+def _mismatch(head: list[int], manifest: Manifest) -> _Drift:
+    index, _, start, n, _, digest = head
+    return _Drift(f"tensor {manifest.metas[index].name!r}: elements [{start}, {start + n}) do not match "
+                  f"the trainer's after the patch (its digest {digest:#x}): the patch, or this rank's "
+                  f"copy of the previous version, is corrupt")
+
+
+def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
+                  manifest: Manifest, moved: torch.Tensor | None) -> int:
+    """``_apply`` by the kernels (C on a host, Triton on a GPU): the directory read once,
+    checked and laid out by tensor ops (no Python per record: models have tens of thousands
+    of tensors), every record written by ``apply_rows`` (a row per record, see
+    ``cpu.apply_many``), then every check at once."""
+    heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).cpu()
+    index, kind, start, n, k, digest = heads.unbind(1)
+
+    def first(bad: torch.Tensor) -> list[int] | None:
+        return heads[int(bad.nonzero()[0, 0])].tolist() if bool(bad.any()) else None
+
+    if (h := first((index < 0) | (index >= len(targets)) | (kind < FULL) | (kind > DENSE))) is not None:
+        raise _Drift(f"a delta record is malformed (tensor {h[0]}, kind {h[1]})")
+    size, e = targets.size[index], targets.esize[index]
+    # (each bound apart first: no sum of two huge numbers can wrap around)
+    if (h := first((start < 0) | (n < 0) | (k < 0) | (k > n) | (start > size) | (n > size)
+                   | (start + n > size))) is not None:
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a record for elements [{h[2]}, {h[2] + h[3]}) "
+                     f"lies outside its {targets[h[0]].numel()}")
+    sparse, bitmap = kind == SPARSE, kind == BITMAP
+    where = torch.where(sparse, (4 * k + 7) // 8 * 8, torch.where(bitmap, ((n + 7) // 8 + 7) // 8 * 8, 0))
+    values = (torch.where(sparse | bitmap, k, n) * e + 7) // 8 * 8
+    end = torch.cumsum(where + values, 0) + (8 + count * _HEADER)
+    if (h := first(end > used)) is not None:
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a delta record runs past its bucket")
+    at = slot.data_ptr() + end - values - where  # each record's first byte
+    rows = torch.stack([kind, targets.addr[index] + start * e, n, e, start, at, at + where, k], 1)
+    ours, status = apply_rows(rows).unbind(1)
+    miscounted = bitmap & (status != k)
+    if (h := first(miscounted)) is not None:
+        got = int(status[int(miscounted.nonzero()[0, 0])])
+        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a patch of elements [{h[2]}, {h[2] + h[3]}) "
+                     f"says {h[4]} changes but its bitmap has {'bits past its end' if got < 0 else got}")
+    if (h := first((sparse & (status >= 0)) | ((kind != FULL) & (ours != digest)))) is not None:
+        raise _mismatch(h, manifest)
+    patch = kind != FULL
+    if moved is not None:
+        moved.index_add_(0, index[patch], digest[patch])
+    return sum(digest[patch].tolist())
