@@ -68,7 +68,8 @@ test: $(BIN)/.installed
 	$(MAKE) test-vllm-old
 
 # three workers, a test module each (a module's shared set-up stays in one process): most of
-# the suite waits on other processes and deadlines, so 3 fit 2 cores (1237 s against ~1430)
+# the suite waits on other processes and deadlines, so 3 fit 2 cores (here 1237 s with other
+# work beside it; one process took ~1430 s in CI)
 test-main: $(BIN)/.installed
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15; rc=$$?; \
 	  echo "main suite: $$(( $$(date +%s) - start )) s"; exit $$rc
