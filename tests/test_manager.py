@@ -89,7 +89,8 @@ def test_replicas_register_themselves_on_ray(ray_cluster, backend):
     from weightbus.runtime.ray import RayWorkerGroup, drop_registry
     reg = f"test-{backend}-{os.getpid()}"
     trainer = RayWorkerGroup(Trainer, 1, None, name="trainer")
-    mgr = CheckpointEngineManager(backend, trainer, registry=reg, timeout=20, bucket_size=1 << 16)
+    # (the deadline covers Ray starting a replica's actors, 20-30 s on 2 busy cores)
+    mgr = CheckpointEngineManager(backend, trainer, registry=reg, timeout=45, bucket_size=1 << 16)
     started = []
 
     def start(name, size, dies_at=None):  # started elsewhere: the manager never sees this handle

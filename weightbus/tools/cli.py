@@ -609,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except KeyboardInterrupt:  # (every worker process was ended already: runtime.local.spawn)
         print("weightbus: interrupted", file=sys.stderr, flush=True)
+        # an interrupt that lands while an object is half made (an asyncio loop mid-__init__)
+        # leaves it to fail in its __del__ at exit: the one line above is all there is to say
+        sys.unraisablehook = lambda unraisable: None
         return 130
 
 

@@ -4,17 +4,13 @@ bucket plan of each round, the settling of an update."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from weightbus.engines.delta.encoding import _NEUTRAL
 from weightbus.packing import buffers
 from weightbus.plan import Bucket
-
-if TYPE_CHECKING:
-    from weightbus.engines.delta.receiver import Chain
-    from weightbus.engines.delta.sender import Snapshots
 
 
 class Engine(Protocol):
@@ -30,8 +26,8 @@ class Engine(Protocol):
     n_senders: int
     trainer_rank: int
     last_full: bool | None
-    _snapshots: Snapshots
-    _chain: Chain
+    _snapshots: Any  # (the sender's Snapshots and the receiver's Chain: both sides import
+    _chain: Any  # this module, so their types are not imported here)
     _delta_pending: Any
     _dest: dict[str, torch.Tensor] | None
     _stamper: buffers.Stamper
@@ -98,11 +94,11 @@ def settle(engine: Engine, ok: bool) -> None:
     pending = getattr(engine, "_delta_pending", None)
     engine._delta_pending = None  # type: ignore[attr-defined]
     if engine.role == "trainer":
-        snaps: Snapshots = engine._snapshots  # type: ignore[attr-defined]
+        snaps = engine._snapshots
         if ok and pending is not None:
             snaps.version, snaps.fingerprint = pending
         else:
             snaps.version = None
     else:
-        chain: Chain = engine._chain  # type: ignore[attr-defined]
+        chain = engine._chain
         chain.version = pending[0] if ok and pending is not None else None
