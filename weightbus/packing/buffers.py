@@ -262,50 +262,41 @@ _data_ptr = torch.Tensor.data_ptr
 _nbytes = operator.attrgetter("nbytes")
 
 
-class _HostCopy:
-    """Byte copies between host tensors of one dtype and shape, a whole list in one native
-    call (:func:`weightbus.packing.native.copy_library`: a memcpy per pair), for lists of many small
-    tensors. On the CPU, torch's multi-tensor copy is a loop of full copies (~1 us each: a
-    TensorIterator per pair), so 100k tensors of 1 KiB cost ~100 ms where their bytes take
-    ~10.
-
-    The destinations' addresses and sizes are tabled once. The sources' addresses are read
-    when tabled (:meth:`table`, in C-level passes; per call for sources that may change,
-    once for fixed ones); the sources are checked (host, contiguous, the
-    destination's dtype and shape) only when they are not the very tensors at the very
-    addresses tabled last. The last sources are held, so their memory cannot be
+class TabledCopy:
+    """A fixed list of destinations filled in one native call over a table of addresses
+    (the host's :class:`_HostCopy`, a GPU's ``copy_triton.DeviceCopy``). The destinations
+    are tabled once; the sources per call, in a C-level pass over their pointers, and
+    checked against the destinations (:meth:`_fit`) only when they are not the very tensors
+    at the very addresses tabled last. The last sources are held, so their memory cannot be
     freed and reused under an address seen again."""
 
-    def __init__(self, lib: Any, dsts: list[torch.Tensor]):
-        self._lib = lib
+    def __init__(self, dsts: list[torch.Tensor]):
         self._dsts = dsts
         self._dst = np.fromiter(map(_data_ptr, dsts), np.int64, len(dsts))
-        self._sizes = np.fromiter(map(_nbytes, dsts), np.int64, len(dsts))
         self._srcs: list[torch.Tensor] | None = None
         self._src = self._dst[:0]
 
-    @staticmethod
-    def usable(dsts: list[torch.Tensor]) -> bool:
-        return bool(dsts) and all(d.device.type == "cpu" and d.is_contiguous() for d in dsts)
-
     def table(self, srcs: list[torch.Tensor]) -> bool:
-        """Table the sources' addresses for :meth:`copy`; False (nothing tabled) unless
-        every source fits its destination byte for byte."""
+        """Table the sources for :meth:`copy`; False (nothing tabled) unless every source
+        fits its destination."""
         src = np.fromiter(map(_data_ptr, srcs), np.int64, len(srcs))
         last = self._srcs
         if last is None or not np.array_equal(src, self._src) or not all(map(operator.is_, srcs, last)):
             self._srcs = None
-            if not all(s.device.type == "cpu" and s.is_contiguous() and s.dtype == d.dtype
-                       and s.shape == d.shape for s, d in zip(srcs, self._dsts, strict=True)):
+            if not self._fit(srcs, src):
                 return False
             self._srcs = list(srcs)
         self._src = src
         return True
 
+    def _fit(self, srcs: list[torch.Tensor], src: np.ndarray) -> bool:
+        """Whether ``srcs`` (at addresses ``src``) fit the destinations; work out what
+        :meth:`copy` needs of them."""
+        raise NotImplementedError
+
     def copy(self) -> None:
         """Copy from the sources last tabled."""
-        self._lib.wb_copy_list(len(self._src), self._dst.ctypes.data, self._src.ctypes.data,
-                               self._sizes.ctypes.data)
+        raise NotImplementedError
 
     def run(self, srcs: list[torch.Tensor]) -> bool:
         """:meth:`table`, then :meth:`copy` where it succeeded."""
@@ -313,6 +304,32 @@ class _HostCopy:
             return False
         self.copy()
         return True
+
+
+class _HostCopy(TabledCopy):
+    """Byte copies between host tensors of one dtype and shape, a whole list in one native
+    call (:func:`weightbus.packing.native.copy_library`: a memcpy per pair), for lists of many small
+    tensors. On the CPU, torch's multi-tensor copy is a loop of full copies (~1 us each: a
+    TensorIterator per pair), so 100k tensors of 1 KiB cost ~100 ms where their bytes take
+    ~10."""
+
+    def __init__(self, lib: Any, dsts: list[torch.Tensor]):
+        super().__init__(dsts)
+        self._lib = lib
+        self._sizes = np.fromiter(map(_nbytes, dsts), np.int64, len(dsts))
+
+    @staticmethod
+    def usable(dsts: list[torch.Tensor]) -> bool:
+        return bool(dsts) and all(d.device.type == "cpu" and d.is_contiguous() for d in dsts)
+
+    def _fit(self, srcs: list[torch.Tensor], src: np.ndarray) -> bool:
+        return all(s.device.type == "cpu" and s.is_contiguous() and s.dtype == d.dtype
+                   and s.shape == d.shape for s, d in zip(srcs, self._dsts, strict=True))
+
+    def copy(self) -> None:
+        """Copy from the sources last tabled."""
+        self._lib.wb_copy_list(len(self._src), self._dst.ctypes.data, self._src.ctypes.data,
+                               self._sizes.ctypes.data)
 
 
 def _device_copy(dsts: list[torch.Tensor]) -> Any:

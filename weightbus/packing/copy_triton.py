@@ -20,7 +20,6 @@ against 37.0-39.1 ms, `benchmarks/results/ab_issue52_h200x2_cd30f.txt`).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
@@ -28,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from weightbus.packing.buffers import TabledCopy
+
 #: Bytes per chunk (a program's share).
 CHUNK_BYTES = 64 << 10
 _BLOCK = 4096  # elements a program moves per step of its loop
 
 _BITS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-_data_ptr = torch.Tensor.data_ptr
 
 
 @triton.jit
@@ -52,17 +52,14 @@ def _copy_chunks(src_tab, dst_tab, len_tab, T: tl.constexpr, VEC: tl.constexpr, 
         tl.store(dst + o, tl.load(src + o, mask=inside, eviction_policy="evict_first"), mask=inside)
 
 
-class DeviceCopy:
+class DeviceCopy(TabledCopy):
     """``dst.copy_(src)`` for a fixed list of destinations on one GPU, from sources given
-    per call, in one or a few launches (the interface of ``buffers._HostCopy``)."""
+    per call, in one or a few launches."""
 
     def __init__(self, dsts: list[torch.Tensor]):
-        self._dsts = dsts
+        super().__init__(dsts)
         self._device = dsts[0].device
-        self._dst = np.fromiter(map(_data_ptr, dsts), np.int64, len(dsts))
         self._numel = np.array([d.numel() for d in dsts], np.int64)
-        self._srcs: list[torch.Tensor] | None = None
-        self._src = self._dst[:0]
         self._launches: list[tuple[Any, int, torch.Tensor, int]] = []
         self._casts: set[torch.dtype] = set()  # source dtypes refused for a cast: not looked at again
 
@@ -74,15 +71,13 @@ class DeviceCopy:
         return device.type == "cuda" and all(d.device == device and d.is_contiguous() for d in dsts)
 
     def table(self, srcs: list[torch.Tensor]) -> bool:
-        """Table the sources for :meth:`copy`; False (nothing tabled) unless every source
-        fits its destination (this GPU, contiguous, the same shape and dtype)."""
+        """As :meth:`TabledCopy.table`: sources fit on this GPU, contiguous, of the same shape
+        and dtype as their destinations."""
         if not srcs or srcs[0].dtype in self._casts:  # (a cast list: torch's, at no cost here)
             return False
-        src = np.fromiter(map(_data_ptr, srcs), np.int64, len(srcs))
-        last = self._srcs
-        if last is not None and np.array_equal(src, self._src) and all(map(operator.is_, srcs, last)):
-            return True
-        self._srcs = None
+        return super().table(srcs)
+
+    def _fit(self, srcs: list[torch.Tensor], src: np.ndarray) -> bool:
         groups: dict[int, list[int]] = {}  # (by element width: one launch of its integer type)
         for i, (s, d) in enumerate(zip(srcs, self._dsts, strict=True)):
             if s.dtype != d.dtype:
@@ -96,7 +91,6 @@ class DeviceCopy:
         self._launches = [launch for width, idx in groups.items()
                           for launch in _launches(np.array(idx, np.int64), src, self._dst, self._numel,
                                                   width, self._device)]
-        self._srcs, self._src = list(srcs), src
         return True
 
     def copy(self) -> None:
@@ -109,13 +103,6 @@ class DeviceCopy:
     def _launch(self) -> None:
         for t, vec, tab, n in self._launches:
             _copy_chunks[(n,)](tab[0], tab[1], tab[2], T=t, VEC=vec, BLOCK=_BLOCK, num_warps=4)
-
-    def run(self, srcs: list[torch.Tensor]) -> bool:
-        """:meth:`table`, then :meth:`copy` where it succeeded."""
-        if not self.table(srcs):
-            return False
-        self.copy()
-        return True
 
 
 def _launches(idx: np.ndarray, src: np.ndarray, dst: np.ndarray, numel: np.ndarray, width: int,
