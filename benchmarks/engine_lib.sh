@@ -18,3 +18,17 @@ say_versions() {  # engine name, its python module: the versions and the first G
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1 >&2
   echo "$v"
 }
+
+say_cases() {  # FILE KEY...: each case of a GPU-case runner's JSON lines, ok or FAILED, its KEY
+  # fields, and a failed one's trace
+  [ -f "$1" ] || return 0
+  python3 - "$@" <<'PY'
+import json, sys
+keys = sys.argv[2:]
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["case"], "ok" if r.get("ok") else "FAILED", {k: r[k] for k in r if k in keys})
+    if not r.get("ok"):
+        print((r.get("trace") or r.get("tail") or "")[-2500:])
+PY
+}

@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD:$PWD/tests:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRAN
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # SGLang sets NCCL_CUMEM_ENABLE=0 in its processes when unset; NCCL peers that differ in it hang
 export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
-. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), no multicast
+. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), say_cases(), no multicast
 v=$(say_versions SGLang sglang) || exit 1
 
 case "${1:-tests}" in
@@ -24,15 +24,7 @@ tests)
     run "${CASES_S:-560}" python3 -m pytest -q -p no:cacheprovider -rA tests/test_sglang_gpu.py -k "${CASES:-}" \
     > "$OUT/sglang_cases_$v.log" 2>&1
   grep -E "passed|failed|PASSED|FAILED|SKIPPED" "$OUT/sglang_cases_$v.log" | tail -8
-  [ -f "$OUT/sglang_cases_$v.jsonl" ] && python3 - "$OUT/sglang_cases_$v.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["case"], "ok" if r.get("ok") else "FAILED", {k: r[k] for k in r if k in (
-        "engine_start_s", "updates", "checked", "refused", "error")})
-    if not r.get("ok"):
-        print((r.get("trace") or r.get("tail") or "")[-2500:])
-PY
+  say_cases "$OUT/sglang_cases_$v.jsonl" engine_start_s updates checked refused error
   ;;
 speed)
   specs=("1.7b 28" "8b 36")

@@ -23,7 +23,7 @@ if [ ! -d "$WB/weightbus" ]; then
 fi
 export PYTHONPATH=$PWD:$WB:$SITE PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
-. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), no multicast
+. "$(dirname "$0")/engine_lib.sh"   # run(), say_versions(), say_cases(), no multicast
 v=$(say_versions vLLM vllm) || exit 1
 
 case "${1:-tests}" in
@@ -34,12 +34,7 @@ tests)
     run "${CASES_S:-420}" python3 -m pytest -q -p no:cacheprovider -rA tests/test_vllm_gpu.py -k "${CASES:-}" \
     > "$OUT/gpu_cases_$v.log" 2>&1
   grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error" "$OUT/gpu_cases_$v.log" | tail -12
-  [ -f "$OUT/gpu_cases_$v.jsonl" ] && python3 - "$OUT/gpu_cases_$v.jsonl" <<'EOF'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["case"], "ok" if r.get("ok") else "FAILED", {k: r[k] for k in r if k in ("engine_start_s", "updates", "checked")})
-EOF
+  say_cases "$OUT/gpu_cases_$v.jsonl" engine_start_s updates checked
   ;;
 speed)
   specs=("8b 24 colocated" "30b-a3b 12 colocated" "8b 24 nccl" "30b-a3b 12 nccl")
