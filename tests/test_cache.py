@@ -27,6 +27,7 @@ def _where(backend: str, tmp_path, port: int) -> str:
     return str(tmp_path / "cache") if backend == "disk" else f"test{port}"
 
 
+@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 @pytest.mark.parametrize("backend", ["shm", "disk"])
 def test_readers_at_their_own_pace_get_whole_versions(backend, tmp_path, port):
     """10 versions published while 3 replicas pull at different paces: every pull is one
@@ -67,6 +68,7 @@ def test_readers_at_their_own_pace_get_whole_versions(backend, tmp_path, port):
         assert _shm_caches() == before  # the owner removed its cache
 
 
+@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 @pytest.mark.parametrize("backend", ["shm", "disk"])
 def test_publisher_dies_mid_publish(backend, tmp_path, port):
     """The previous version stays readable and the partial one invisible; the next owner
@@ -122,6 +124,7 @@ def test_reader_during_a_write_gets_the_previous_version(tmp_path, port):
     assert workers_cache.digests(model) == second
 
 
+@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 def test_killed_reader_does_not_hold_reclaiming(port):
     """A reader SIGKILLed while it holds a version: publishing goes on, old versions leave
     the directory (at most ``keep``), and its memory goes back when it dies."""
@@ -149,6 +152,7 @@ def test_killed_reader_does_not_hold_reclaiming(port):
     assert _shm_caches() == before
 
 
+@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 def test_dead_owner_cache_is_swept(port):
     """A cache whose owner was killed is removed by the next owner on the host."""
     before = _shm_caches()

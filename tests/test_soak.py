@@ -21,6 +21,8 @@ from rl_workers import Rollout, Trainer  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
+pytestmark = pytest.mark.serial  # (counts every weightbus entry of /dev/shm at start and end)
+
 UPDATES = int(os.environ.get("WEIGHTBUS_SOAK_UPDATES", "24"))
 #: every this many updates a replica joins, and the oldest leaves (its processes end)
 CHURN = 6
