@@ -326,9 +326,13 @@ def test_a_mistyped_backend_in_the_api_gets_the_nearest_name():
     assert "did you mean" not in str(e.value)
 
 
-@pytest.mark.parametrize("argv", [["demo", *TINY[:0], "--steps", "200"],
-                                  ["bench", "--preset", "tiny", "--iters", "200"]], ids=["demo", "bench"])
-def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, tmp_path):
+@pytest.mark.parametrize(("argv", "after"), [
+    (["demo", *TINY[:0], "--steps", "200"], 3.0),
+    (["bench", "--preset", "tiny", "--iters", "200"], 3.0),
+    # early: the bench's workers are still importing torch (a KeyboardInterrupt there was a
+    # traceback of the child's own on a busy CI machine)
+    (["bench", "--preset", "tiny", "--iters", "200"], 1.0)], ids=["demo", "bench", "bench-early"])
+def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, after, tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) mid-run: exit code 130 within
     seconds, one line, no traceback from any process, no log file left, nothing in /dev/shm."""
     tmp = tmp_path / "tmp"
@@ -341,7 +345,7 @@ def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, tmp_path):
     ready, _, _ = select.select([p.stdout], [], [], 120)  # its first line: the run has begun
     first = p.stdout.readline() if ready else ""
     assert first, "the command printed nothing in 120 s"
-    time.sleep(3)  # (its worker processes are up and moving weights)
+    time.sleep(after)  # (its worker processes are up and moving weights, or still starting)
     assert p.poll() is None, p.communicate()
     t0 = time.monotonic()
     os.killpg(p.pid, signal.SIGINT)

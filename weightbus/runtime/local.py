@@ -7,6 +7,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -144,6 +145,22 @@ def _end(procs: list[Any], within: float = 0.5) -> None:
             p.join(1)
 
 
+def _start_deaf(procs: list[Any]) -> None:
+    """Start worker processes that ignore Ctrl-C from birth: a signal ignored survives the
+    exec, so a Ctrl-C that lands while a worker still imports (before ``_entry``) is no
+    traceback of its own; the parent ends the workers (see ``spawn``)."""
+    if threading.current_thread() is not threading.main_thread():
+        for p in procs:  # (only the main thread may set handlers; Ctrl-C is the main thread's)
+            p.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: float = 300.0,
           allow_fail: frozenset[int] = frozenset(), grace: float = 15.0) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes; return their results by rank.
@@ -159,8 +176,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    _start_deaf(procs)
     try:
         results, cut_short = _collect(procs, out, timeout, allow_fail, grace)
     except KeyboardInterrupt:
