@@ -27,7 +27,7 @@ VERL_BIN := $(VERL_VENV)/bin
 docs: $(BIN)/.installed
 	$(BIN)/mkdocs build -q --strict -d site
 
-.PHONY: docs demo demo-vllm test test-main test-vllm test-vllm-old test-megatron test-verl lint bench clean
+.PHONY: docs demo demo-vllm test test-main test-others test-vllm test-vllm-old test-megatron test-verl lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -62,14 +62,20 @@ test: $(BIN)/.installed
 	$(MAKE) docs
 	$(MAKE) -j5 --output-sync=target test-main $(MEGATRON_BIN)/.installed $(VERL_BIN)/.installed \
 	  $(VLLM_BIN)/.installed $(VLLM_OLD_BIN)/.installed
+	@start=$$(date +%s); $(MAKE) -j2 --output-sync=target test-vllm test-others; \
+	  rc=$$?; echo "vLLM 0.32 beside Megatron, verl, vLLM $(VLLM_OLD): $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# the smaller jobs one after another, beside the vLLM suite (its engines wait on their
+# own processes much of the time)
+test-others:
 	$(MAKE) test-megatron
 	$(MAKE) test-verl
-	$(MAKE) test-vllm
 	$(MAKE) test-vllm-old
 
 # three workers, a test module each (a module's shared set-up stays in one process): most of
-# the suite waits on other processes and deadlines, so 3 fit 2 cores (1009-1213 s on a fresh
-# clone; one process took ~1430 s in CI). Tests that compare all of /dev/shm before and after
+# the suite waits on other processes and deadlines, so 3 fit 2 cores; their worker
+# processes fork from a server that imported torch once (tests/conftest.py): 745 s here,
+# 1169 s spawning each (one process took ~1430 s in CI). Tests that compare all of /dev/shm before and after
 # (marked serial) run alone afterwards: other workers' caches would come and go under them.
 test-main: $(BIN)/.installed
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not serial" --durations=15; \

@@ -7,6 +7,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import tests/workers.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# workers forked from one server that imported torch once (weightbus.runtime.group): ~1 s of
+# CPU less per worker, most of the suite's CPU on spawn; tests of how a command starts its
+# processes (the CLI's Ctrl-C) ask for the default, spawn, themselves
+os.environ.setdefault("WEIGHTBUS_START_METHOD", "forkserver")
 
 
 def pytest_configure(config):

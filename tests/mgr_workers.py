@@ -11,6 +11,19 @@ from rl_workers import Rollout, Trainer  # noqa: E402
 from weightbus import ModuleSink  # noqa: E402
 from weightbus.sinks import LoadReport  # noqa: E402
 
+#: the elastic backends installed here (their membership changes touch only some peers)
+ELASTIC = []
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+    ELASTIC.append("mooncake")
+except ImportError:
+    pass
+try:
+    import nixl  # noqa: F401
+    ELASTIC.append("nixl")
+except ImportError:
+    pass
+
 
 class _Trap(ModuleSink):
     def __init__(self, module, action):

@@ -338,7 +338,7 @@ def test_ctrl_c_ends_every_process_at_once_in_one_line(argv, after, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     shm = _shm()
-    env = {**os.environ, "TMPDIR": str(tmp)}
+    env = {**os.environ, "TMPDIR": str(tmp), "WEIGHTBUS_START_METHOD": "spawn"}  # (as users start it)
     p = subprocess.Popen([WB, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     import select

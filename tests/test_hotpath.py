@@ -1,4 +1,5 @@
-"""The hot path's guard: per-update work grows with buckets, not with tensors.
+"""The hot path's guard: per-update work grows with buckets, not with tensors (nor with
+the pieces sharded receive cuts them into).
 
 One warm update of a model is counted on each side, in real processes (lines of Python
 executed, Python and C functions called, torch operators dispatched), for the same bytes
@@ -26,13 +27,16 @@ PER_TENSOR = 0.05
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("backend", ["gloo", "colocated", pytest.param("colocated-direct", marks=GPU)])
+@pytest.mark.parametrize("backend", ["gloo", "colocated", "gloo-sharded",
+                                     pytest.param("colocated-direct", marks=GPU)])
 def test_update_work_grows_with_buckets_not_tensors(backend, port):
-    few = spawn(update_counts, 2, (backend, FEW, BYTES // FEW, BUCKET, port), timeout=120)
+    ranks = 3 if backend.endswith("sharded") else 2  # (sharded: a trainer, a replica of TP=2)
+    few = spawn(update_counts, ranks, (backend, FEW, BYTES // FEW, BUCKET, port), timeout=120)
     import torch.distributed as dist  # a second store: the first one's keys are used
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    many = spawn(update_counts, 2, (backend, MANY, BYTES // MANY, BUCKET, store.port), timeout=120)
-    for side, a, b in zip(("trainer", "rollout"), few, many, strict=True):
+    many = spawn(update_counts, ranks, (backend, MANY, BYTES // MANY, BUCKET, store.port), timeout=120)
+    sides = ("trainer", *(f"rollout {r}" for r in range(ranks - 1)))
+    for side, a, b in zip(sides, few, many, strict=True):
         assert a["buckets"] == b["buckets"], (side, a, b)
         for what in ("lines", "calls", "ops"):
             grown = b[what] - a[what]
@@ -40,4 +44,5 @@ def test_update_work_grows_with_buckets_not_tensors(backend, port):
                 f"{backend} {side}: one warm update's {what} grew by {grown} for {MANY - FEW} more "
                 f"tensors in the same {a['buckets']} buckets ({a[what]} -> {b[what]}): something "
                 f"in the hot path works per tensor")
-    assert few[0]["sum"] == few[1]["sum"] and many[0]["sum"] == many[1]["sum"]  # delivered, bitwise
+    for got in (few, many):  # delivered, bitwise (sharded: each rank its half)
+        assert got[0]["sum"] == sum(r["sum"] for r in got[1:]), got

@@ -666,3 +666,17 @@ def fails_or_waits(rank: int):
     if rank == 0:
         raise RuntimeError("rank 0 failed (injected)")
     time.sleep(3600)
+
+
+class EnvProbe:
+    """A worker group's rank that reports what its environment holds (tests/test_runtime.py)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank = rank
+
+    def read(self, *names: str) -> dict[str, str | None]:
+        return {n: os.environ.get(n) for n in names}
+
+
+def env_of(rank: int, *names: str) -> dict[str, str | None]:
+    return {n: os.environ.get(n) for n in names}

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
+from weightbus.packing.shards import chunk_box, tp_placements
 from weightbus.runtime.local import Rendezvous, connect
 
 
@@ -57,28 +58,41 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
                   port: int) -> dict[str, int]:
     """Trainer (rank 0) sends a model of ``tensors`` flat bf16 tensors to a rollout (rank 1)
     that loads it with a sink made per update, as users write it; weights change between
-    updates. Returns the counts of the third update, and a checksum to compare."""
+    updates. ``gloo-sharded``: to two rollout ranks (1, 2) of one TP=2 replica, each
+    receiving only its half of every tensor into its own (sharded receive). Returns the
+    counts of the third update, and a checksum of what this rank holds to compare."""
     trainer = rank == 0
-    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    name, _, mode = backend.partition("-")  # colocated-direct: the GPU's direct mode
+    tp = 2 if mode == "sharded" else 1
+    rdv = Rendezvous("127.0.0.1", port, rank, 1 + tp, timeout=60)
     n = tensor_bytes // 2
     g = torch.Generator().manual_seed(0)
-    name, _, mode = backend.partition("-")  # colocated-direct: the GPU's direct mode
     device = torch.device("cuda", 0) if mode == "direct" else torch.device("cpu")
-    weights = {f"layers.{i}.w": (torch.randn(n, generator=g) if trainer else torch.zeros(n)).bfloat16()
+    size = n if trainer else chunk_box((n,), 0, rank - 1, tp).size[0]  # (uneven: torch.chunk's split)
+    weights = {f"layers.{i}.w": (torch.randn(size, generator=g) if trainer else torch.zeros(size)).bfloat16()
                .to(device) for i in range(tensors)}
     engine = CheckpointEngineRegistry.new(name, role="trainer" if trainer else "rollout",
                                           bucket_size=bucket, timeout=60, device=device)
     if not trainer:
         if mode == "direct":
             engine.set_destinations(weights, direct=True)
+        elif mode == "sharded":
+            engine.set_shard_destinations(tp_placements(weights, rank - 1, tp,
+                                                        split={k: (0, (n,)) for k in weights}))
         else:
             engine.set_destinations(weights)
-    connect(engine, rdv, 1, 1)
+    connect(engine, rdv, 1, tp)
     source = ModuleSource(weights) if trainer else None
+
+    async def placed() -> None:  # (sharded: every region is written where it lands, none yielded)
+        async for name, _ in engine.receive_weights():
+            raise AssertionError(f"{name} arrived whole")
 
     def update() -> None:
         if trainer:
             asyncio.run(engine.send_weights(source))
+        elif mode == "sharded":
+            asyncio.run(placed())
         else:
             asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
 

@@ -11,6 +11,9 @@ Environment variables:
   (see :mod:`weightbus.sources`).
 - ``WEIGHTBUS_COALESCE_GATHERS``: ``0`` or ``1`` (see :mod:`weightbus.sources`).
 - ``WEIGHTBUS_VLLM_SELF_CHECK``: ``N`` or ``N:L`` (see the vLLM integration).
+- ``WEIGHTBUS_START_METHOD``: how local worker processes start (``spawn``, the default:
+  a fresh interpreter each; ``forkserver``: forked from one server that imported torch
+  and weightbus once, ~1 s less per worker; see :mod:`weightbus.runtime.group`).
 """
 
 from __future__ import annotations
@@ -117,3 +120,18 @@ def flag(name: str, default: bool = False) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={raw!r}: expected 0 or 1")
+
+
+#: the ways :mod:`weightbus.runtime` may start a worker process
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_method() -> str:
+    """``WEIGHTBUS_START_METHOD`` if set (checked), else ``spawn``."""
+    raw = os.environ.get("WEIGHTBUS_START_METHOD", "").strip()
+    if not raw:
+        return "spawn"
+    if raw not in START_METHODS:
+        raise ConfigError(f"WEIGHTBUS_START_METHOD={raw!r} is not one of {', '.join(START_METHODS)}; "
+                          f"unset it to spawn each worker afresh")
+    return raw

@@ -22,6 +22,7 @@ tensors); one it maps to no box is not wanted at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import struct
@@ -119,10 +120,13 @@ class Box:
 
 class ShardLayout:
     """What one rollout rank keeps of an update: tensor name -> the boxes it keeps.
-    A name not listed is wanted whole; one mapped to no box is not wanted."""
+    A name not listed is wanted whole; one mapped to no box is not wanted. Fixed once
+    made: its bytes and fingerprint are worked out once (every update states its layout:
+    a pass over its boxes per update would be work per tensor)."""
 
     def __init__(self, boxes: Mapping[str, Sequence[Box]]):
         self.boxes: dict[str, tuple[Box, ...]] = {n: tuple(bs) for n, bs in boxes.items()}
+        self._raw: bytes | None = None
 
     def wants(self, manifest: Manifest, rank: int) -> list[tuple[int, Box]]:
         """(tensor index, box) for every region this rank keeps of ``manifest``, checked;
@@ -144,6 +148,11 @@ class ShardLayout:
         return out
 
     def to_bytes(self) -> bytes:
+        if self._raw is None:
+            self._raw = self._encode()
+        return self._raw
+
+    def _encode(self) -> bytes:
         parts = [struct.pack("<I", len(self.boxes))]
         for name, boxes in self.boxes.items():
             raw = name.encode()
@@ -169,7 +178,7 @@ class ShardLayout:
                 boxes[name].append(Box(tuple(vals[:dims]), tuple(vals[dims:])))
         return cls(boxes)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
         return int.from_bytes(hashlib.blake2b(self.to_bytes(), digest_size=8).digest(), "little") >> 1
 
@@ -257,6 +266,7 @@ class ShardPlan:
         self._sent = [[b for b in buckets if b.owner == s] for s in range(n_senders)]
         self._got = [[b for b in buckets if b.receiver == r] for r in range(len(layouts))]
         self._holds = [{p.tensor for b in sent for p in b.pieces} for sent in self._sent]
+        self._bytes = [sum(p.nbytes for b in got for p in b.pieces) for got in self._got]
 
     @staticmethod
     def _senders(manifest: Manifest, wanted: list[int], n: int) -> list[int]:
@@ -292,7 +302,7 @@ class ShardPlan:
 
     def bytes_for(self, receiver: int) -> int:
         """Payload bytes rollout rank ``receiver`` receives (no trailers)."""
-        return sum(p.nbytes for b in self._got[receiver] for p in b.pieces)
+        return self._bytes[receiver]
 
     def tensors_of(self, sender: int) -> set[int]:
         """The tensors ``sender`` must hold (it sends boxes of them)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import os
 import time
 import traceback
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.multiprocessing as mp
 
+from weightbus import config
 from weightbus.errors import WeightbusError
 
 
@@ -61,10 +63,41 @@ def call(group: WorkerGroup, method: str, *args: Any, timeout: float, **kwargs: 
 
 # ------------------------------------------------------------------ local processes
 
+#: what a forkserver imports once, before it forks any worker
+_PRELOAD = ["torch", "torch.distributed", "weightbus.engines", "weightbus.runtime.local"]
 
-def _serve(cls: type, rank: int, world: int, init_args: tuple, init_kwargs: dict, conn: Any) -> None:
+
+def process_context() -> Any:
+    """The multiprocessing context local workers start in (``WEIGHTBUS_START_METHOD``):
+    ``spawn`` (a fresh interpreter, which imports torch: ~1 s of CPU a worker), or
+    ``forkserver`` (forked from one server process that imported torch and weightbus
+    once; never ``fork``: a parent's threads and CUDA state do not survive it). A
+    forkserver's workers get the parent's environment as it is at each start
+    (:func:`worker_env`), but the modules it preloaded read theirs when it started."""
+    method = config.start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a worker runs with: this process's now, with ``extra`` on top."""
+    return {**os.environ, **(extra or {})}
+
+
+def enter_env(env: dict[str, str]) -> None:
+    """In a worker, first thing: take ``env`` (:func:`worker_env`) as its environment."""
+    if env != os.environ:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _serve(cls: type, rank: int, world: int, init_args: tuple, init_kwargs: dict, conn: Any,
+           env: dict[str, str]) -> None:
     """A worker process: build the user object, then run calls until told to stop.
     Coroutine methods run to completion on a private event loop."""
+    enter_env(env)
     try:
         obj = cls(rank, world, *init_args, **init_kwargs)
         conn.send((0, True, None))
@@ -110,22 +143,25 @@ def default_name(cls: type, size: int) -> str:
 
 
 class LocalWorkerGroup:
-    """``size`` processes on this host, rank r running ``cls(r, size, *args, **kwargs)``.
+    """``size`` processes on this host, rank r running ``cls(r, size, *args, **kwargs)``,
+    with this process's environment and ``env`` on top of it.
 
     Calls to one rank run one at a time in its main thread (a worker that must keep
-    generating during calls runs its generation in a thread of its own).
+    generating during calls runs its generation in a thread of its own). Workers start
+    as :func:`process_context` says.
     """
 
     def __init__(self, cls: type, size: int, *args: Any, name: str | None = None,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None, **kwargs: Any):
         self.name = name or default_name(cls, size)
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
+        child_env = worker_env(env)
         self._conns, self._procs = [], []
         self._ids = itertools.count(1)
         self._stash: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(size)]
         for r in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(cls, r, size, args, kwargs, child), daemon=True,
+            p = ctx.Process(target=_serve, args=(cls, r, size, args, kwargs, child, child_env), daemon=True,
                             name=f"{self.name}-{r}")
             p.start()
             self._conns.append(parent)

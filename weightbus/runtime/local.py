@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from weightbus import comm, config
 from weightbus.engines.api import CheckpointEngine
 from weightbus.errors import WeightbusError, WeightSyncError, as_timedelta
+from weightbus.runtime.group import enter_env, process_context, worker_env
 
 
 class RankFailed:
@@ -117,11 +117,12 @@ def join(engine: CheckpointEngine, *, rank: int, trainer_world_size: int, rollou
     return rdv
 
 
-def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any) -> None:
+def _entry(fn: Callable[..., Any], rank: int, args: tuple, out: Any, env: dict[str, str]) -> None:
     # Ctrl-C is the parent's to handle (it ends every worker at once, see spawn); a worker
     # told to end (SIGTERM) unwinds, so that what it made (shared memory) is released
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _unwind)
+    enter_env(env)
     try:
         out.put((rank, True, fn(rank, *args)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -173,9 +174,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, timeout: flo
     wait on it: a rendezvous, a collective) before they are killed: the call fails then,
     not at ``timeout``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, args, out), daemon=True) for r in range(nprocs)]
+    env = worker_env()
+    procs = [ctx.Process(target=_entry, args=(fn, r, args, out, env), daemon=True) for r in range(nprocs)]
     _start_deaf(procs)
     try:
         results, cut_short = _collect(procs, out, timeout, allow_fail, grace)
