@@ -260,7 +260,6 @@ class _Pack:
                 list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors)))
         last = self._seen
         if last is None or not np.array_equal(seen[0], last[0]) or seen[1:] != last[1:]:
-            self._seen = None
             srcs = []
             for i, cut in self.cuts:
                 t = held[i]
@@ -275,6 +274,24 @@ _SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "d
 
 # ------------------------------------------------------------------ sender
 
+def _walk(plan: ShardPlan, stream: Stream, rank: int, n_senders: int) -> dict[int, torch.Tensor]:
+    """The tensors sender ``rank`` sends boxes of, walking the stream in manifest order:
+    the one rank that sends boxes of a tensor materialises it (a sharded source gathers
+    it there, collectively); a tensor nobody keeps, nowhere."""
+    need = plan.tensors_of(rank)
+    sent = set().union(*(plan.tensors_of(s) for s in range(n_senders)))
+    it = stream.open(plan, lambda i: frozenset([plan.senders[i]]) if i in sent else frozenset(), rank)
+    held: dict[int, torch.Tensor] = {}
+    for i, m in enumerate(stream.manifest.metas):
+        t = fetch(it, m, i, stream.strict_dtype)
+        if i in need:
+            if t is None and m.nbytes:
+                raise PlanError(f"the weight source gave no data for {m.describe()} on the rank "
+                                f"that sends it")
+            held[i] = t  # type: ignore[assignment]
+    return held
+
+
 def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, version: int,
          error: str | None) -> tuple[str | None, int, int]:
     """Trainer rank: pack and send this rank's buckets; returns (error, bytes sent, buckets)."""
@@ -284,29 +301,10 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, versio
         return error or f"{engine.where()}: sharded plan of version {version}: {e}", 0, 0
     rank = engine.rank_in_senders
     mine = plan.sent_by(rank)
-    need = plan.tensors_of(rank)
-    held: dict[int, torch.Tensor] | list[torch.Tensor] | None = None
+    held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] = {}
     if stream is not None and error is None:
-        try:  # a source that holds every tensor: no step per tensor (as the broadcast path)
-            held = engine._held_tensors(stream)
-        except Exception as e:  # noqa: BLE001 - reported to every rank at the end
-            error = f"{engine.where()}: {e}"
-    if held is None:
-        held = {}
-    if stream is not None and error is None and isinstance(held, dict):
-        metas = manifest.metas
-        # the one rank that sends boxes of a tensor materialises it (a sharded source
-        # gathers it there, collectively); a tensor nobody keeps, nowhere
-        sent = set().union(*(plan.tensors_of(s) for s in range(engine.n_senders)))
-        it = stream.open(plan, lambda i: frozenset([plan.senders[i]]) if i in sent else frozenset(), rank)
-        try:
-            for i, m in enumerate(metas):
-                t = fetch(it, m, i, stream.strict_dtype)
-                if i in need:
-                    if t is None and m.nbytes:
-                        raise PlanError(f"the weight source gave no data for {m.describe()} on the rank "
-                                        f"that sends it")
-                    held[i] = t  # type: ignore[assignment]
+        try:  # a source that holds every tensor hands them all: no step per tensor
+            held = engine._held_tensors(stream) or _walk(plan, stream, rank, engine.n_senders)
         except StreamBroken as e:
             error = f"{engine.where()}: the weight stream raised: {e.__cause__!r}"
         except Exception as e:  # noqa: BLE001 - reported to every rank at the end

@@ -126,7 +126,6 @@ class ShardLayout:
 
     def __init__(self, boxes: Mapping[str, Sequence[Box]]):
         self.boxes: dict[str, tuple[Box, ...]] = {n: tuple(bs) for n, bs in boxes.items()}
-        self._raw: bytes | None = None
 
     def wants(self, manifest: Manifest, rank: int) -> list[tuple[int, Box]]:
         """(tensor index, box) for every region this rank keeps of ``manifest``, checked;
@@ -148,11 +147,10 @@ class ShardLayout:
         return out
 
     def to_bytes(self) -> bytes:
-        if self._raw is None:
-            self._raw = self._encode()
         return self._raw
 
-    def _encode(self) -> bytes:
+    @functools.cached_property
+    def _raw(self) -> bytes:
         parts = [struct.pack("<I", len(self.boxes))]
         for name, boxes in self.boxes.items():
             raw = name.encode()

@@ -148,8 +148,10 @@ def _end(procs: list[Any], within: float = 0.5) -> None:
 
 def _start_deaf(procs: list[Any]) -> None:
     """Start worker processes that ignore Ctrl-C from birth: a signal ignored survives the
-    exec, so a Ctrl-C that lands while a worker still imports (before ``_entry``) is no
-    traceback of its own; the parent ends the workers (see ``spawn``)."""
+    exec, so a Ctrl-C that lands while a spawned worker still imports (before ``_entry``)
+    is no traceback of its own; the parent ends the workers (see ``spawn``). (A
+    forkserver's workers take the server's signals, not these: torch is imported
+    already, so their window is short.)"""
     if threading.current_thread() is not threading.main_thread():
         for p in procs:  # (only the main thread may set handlers; Ctrl-C is the main thread's)
             p.start()
