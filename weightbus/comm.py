@@ -71,32 +71,36 @@ def connect_store(addr: str, port: int, timeout: float, where: str) -> dist.TCPS
                                       f"right?") from None
             time.sleep(delay)
             delay = min(1.0, delay * 2)
-    box: list[Any] = []
+    # The store's handshake is retried until the deadline: on a loaded host one attempt may
+    # time out although the server is up (seen once in CI: a plain connect had just worked).
+    # Each attempt gets half the time left: TCPStore may retry a connect that times out up to
+    # about twice its timeout, and it must give up before this call does (a thread that
+    # comes back out of C++ after the interpreter has begun to exit aborts the process).
+    while True:
+        box: list[Any] = []
+        budget = max(0.5, (deadline - time.monotonic()) / 2)
 
-    # Half the time left: TCPStore may retry a connect that times out up to about twice its
-    # timeout, and it must give up before this call does (a thread that comes back out of
-    # C++ after the interpreter has begun to exit aborts the process).
-    budget = max(0.5, (deadline - time.monotonic()) / 2)
+        def build(box: list[Any] = box, budget: float = budget) -> None:
+            try:
+                box.append(dist.TCPStore(addr, port, None, False, timeout=as_timedelta(budget)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append(e)
 
-    def build() -> None:
-        try:
-            box.append(dist.TCPStore(addr, port, None, False, timeout=as_timedelta(budget)))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box.append(e)
-
-    t = threading.Thread(target=build, name=f"wb-store-{addr}:{port}", daemon=True)
-    t.start()
-    t.join(max(1.0, deadline - time.monotonic()) + 1.0)
-    if not box:
-        raise WeightSyncError(f"{where}: the rendezvous store at {addr}:{port} did not answer within "
-                              f"{timeout:.0f}s: something accepts connections there but does not speak "
-                              f"the store protocol (another program on that port?)")
-    if isinstance(box[0], BaseException):
-        e = box[0]
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} within "
-                              f"{timeout:.0f}s ({type(e).__name__}: {first})") from None
-    return box[0]
+        t = threading.Thread(target=build, name=f"wb-store-{addr}:{port}", daemon=True)
+        t.start()
+        t.join(max(1.0, deadline - time.monotonic()) + 1.0)
+        if not box:
+            raise WeightSyncError(f"{where}: the rendezvous store at {addr}:{port} did not answer within "
+                                  f"{timeout:.0f}s: something accepts connections there but does not "
+                                  f"speak the store protocol (another program on that port?)")
+        if not isinstance(box[0], BaseException):
+            return box[0]
+        err = box[0]
+        if deadline - time.monotonic() < 1.0 or not isinstance(err, dist.DistError):
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise WeightSyncError(f"{where}: cannot reach the rendezvous store at {addr}:{port} within "
+                                  f"{timeout:.0f}s ({type(err).__name__}: {first})") from None
+        time.sleep(0.1)
 
 
 def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int,
