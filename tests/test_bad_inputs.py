@@ -182,6 +182,18 @@ CASES = [
      WeightbusError, "rollout rank 1, tensor 'w': region \\[0:8, 2:6\\] does not fit a tensor of shape \\(8, 4\\)"),
     ("tp-placement-shape", lambda: tp_placements({"w": torch.zeros(5, 4)}, 1, 2, split={"w": (0, (8, 4))}),
      WeightbusError, r"'w' has shape \(5, 4\), but rank 1 of 2 keeps \[4:8, 0:4\]"),
+    # --- relay of shards between replicas (collective engines only)
+    ("relay-negative", lambda: _engine(relay=-1), WeightbusError, r"relay must be an int >= 0 .*got -1"),
+    ("relay-float", lambda: _engine(relay=1.5), WeightbusError, "relay must be an int >= 0"),
+    ("relay-bool", lambda: _engine(relay=True), WeightbusError, "relay must be an int >= 0"),
+    ("relay-on-shm", lambda: CheckpointEngineRegistry.new("shm", relay=1), WeightbusError,
+     "backend 'shm' takes no option 'relay'"),
+    ("relay-plan-negative", lambda: ShardPlan(Manifest([TensorMeta("w", torch.float32, (8, 4))]), [None], 1024, 1,
+                                              relay=-1), WeightbusError, "relay must be >= 0"),
+    ("relay-disagreed", lambda: CollectiveEngine.build_topology(1, 1, [
+        {"addr": "h", "port": 1, "token": "t", "bucket_size": 4096, "relay": 2},
+        {"addr": "h", "bucket_size": 4096, "relay": 0}]), WeightbusError,
+     r"different relay values \(relay=2 on rank\(s\) 0; relay=0 on rank\(s\) 1\)"),
 ]
 
 

@@ -76,3 +76,17 @@ def test_bench_sharded_row_cpu():
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=1)
     with pytest.raises(ValueError, match="receivers=3 disagrees"):
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=2, receivers=3)
+
+
+def test_bench_relayed_row_cpu():
+    """``--rollout-tp 2 --replicas 2 --relay 1``: the sharded update to 2 replicas timed
+    direct and relayed, every rank verified both ways, the trainer sending half the bytes."""
+    row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=1, gpu=False, timeout=120,
+                                rollout_tp=2, replicas=2, relay=1))
+    assert row["verified"] and row["scenario"] == "disagg gloo 1->4 TPx2" and row["relayed_s"] > 0
+    assert row["relay_sent_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert "relayed relay=1" in format_table([row])
+    with pytest.raises(ValueError, match="replicas= and relay= apply to sharded rows"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, relay=1)
+    with pytest.raises(ValueError, match="relay must be an int >= 1"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=2, relay=0)

@@ -10,9 +10,7 @@ adds the trainer side, group formation, and the manager's pause / sink / source 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
 
 import mgr_workers
@@ -20,126 +18,34 @@ import pytest
 import torch.multiprocessing as mp
 import workers
 import workers_faults
+import workers_shards
+from faults_common import (
+    DEADLINE,
+    EITHER,
+    LOST,
+    PHASE_WORDS,
+    PHASES,
+    check_peer_lost,
+    lose_one,
+    survivors_failed_in_time,
+)
 from mgr_workers import PauseFails, ResumeFails, SinkRaises, SinkRaisesMidStream, SourceRaises
 from rl_workers import Rollout
 
 from weightbus import UpdateFailed
 from weightbus.manager import CheckpointEngineManager
-from weightbus.packing import buffers
 from weightbus.runtime.group import LocalWorkerGroup, call
 
-DEADLINE = 2.5
-#: how a survivor's error names the phase it lost its peer in
-PHASE_WORDS = {"formation": re.compile("rendezvous|forming"), "header": re.compile("header"),
-               "mid-update": re.compile("bucket \\d+"), "final-status": re.compile("finish")}
-EITHER = re.compile("header|bucket \\d+")
 
-
-def _shm_of(pid: int) -> list[str]:
-    try:
-        return [n for n in os.listdir("/dev/shm") if n.startswith(f"wbus_{pid}_")]
-    except FileNotFoundError:
-        return []
-
-
-try:
-    import nixl  # noqa: F401
-    HAVE_NIXL = True
-except ImportError:
-    HAVE_NIXL = False
-try:
-    from mooncake.engine import TransferEngine  # noqa: F401
-    HAVE_MOONCAKE = True
-except ImportError:
-    HAVE_MOONCAKE = False
-
-# (backend, who is lost, how): the trainer or a rollout, SIGKILLed or SIGSTOPped
-# (a stopped peer is found by the same deadline on every backend: once, on colocated, where
-# it also holds shared memory)
-LOST = [(b, w, h) for b in ("colocated", "gloo") for w in ("trainer", "rollout")
-        for h in (("kill", "stop") if b == "colocated" else ("kill",))]
-LOST += [("nixl", w, "kill") for w in ("trainer", "rollout")] if HAVE_NIXL else []
-LOST += [("mooncake", w, "kill") for w in ("trainer", "rollout")] if HAVE_MOONCAKE else []
-
-
-def _lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False,
-              sharded: bool = False) -> tuple[dict, list]:
-    """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
-    survivor's report (each must report), and the processes (all ended)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    args = (port, backend, lost, phase, how, DEADLINE, out)
-    procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args),
-                         kwargs={"delta": delta, "sharded": sharded}) for r in range(3)]
-    for p in procs:
-        p.start()
-    survivors = {r for r in range(3) if r != lost}
-    results = {}
-    t_end = time.monotonic() + 90
-    while len(results) < len(survivors) and time.monotonic() < t_end:
-        try:
-            rank, res = out.get(timeout=1)
-            results[rank] = res
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if not any(procs[r].is_alive() for r in survivors) and out.empty():
-                break
-    if how == "stop" and procs[lost].is_alive():
-        os.kill(procs[lost].pid, signal.SIGKILL)
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert set(results) == survivors, results
-    return results, procs
-
-
-@pytest.mark.parametrize("phase", ["formation", "header", "mid-update", "final-status"])
-@pytest.mark.parametrize("backend,who,how", LOST, ids=["-".join(x) for x in LOST])
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("backend,who,how", [x for x in LOST if x[0] != "colocated"],
+                         ids=["-".join(x) for x in LOST if x[0] != "colocated"])
 def test_peer_lost_at_every_phase(port, backend, phase, who, how):
-    """1 trainer, 2 rollouts. After one good update a peer (the trainer, or rollout 2) is
-    SIGKILLed or SIGSTOPped at ``phase`` of the next; every survivor raises within the
-    deadline naming the phase, claims no version it does not hold, and the trainer's
-    shared memory is gone from /dev/shm (colocated)."""
-    lost = 0 if who == "trainer" else 2
-    results, procs = _lose_one(port, backend, lost, phase, how)
-    if backend in ("mooncake", "nixl") and who == "rollout" and phase != "formation":
-        # each replica has its own group (nixl: rollout 2 is last in the chain, so nothing
-        # is below it): the other one completes the update, bitwise
-        # checked by its sink; the trainer names the replica it lost and when
-        assert results[1]["error"] is None and results[1]["version"] == 2, results[1]
-        del results[1]
-        assert "failed on replica 'r1'" in results[0]["error"], results[0]
-    elif backend in ("mooncake", "nixl") and who == "rollout":
-        # rollout 1 linked to the trainer; the trainer, waiting for rollout 2, gives up at
-        # formation, and rollout 1 at the header of the first update (both in time)
-        assert "header" in results[1]["error"] and results[1]["seconds"] < DEADLINE * 2 + 5, results[1]
-        del results[1]
-    for rank, res in results.items():
-        assert res["first"] == "ok", res
-        err, seconds = res["error"], res["seconds"]
-        assert err is not None, res
-        assert seconds < DEADLINE * 2 + 5, res  # the deadline plus a margin, never a hang
-        # names the phase it lost its peer in: a rollout lost before the header is noticed by
-        # the root there, by the other rollouts at the first bucket (the header never waits
-        # for a fellow receiver)
-        words = EITHER if (who, phase) == ("rollout", "header") else PHASE_WORDS[phase]
-        if (backend, who, rank, phase) == ("nixl", "rollout", 0, "mid-update"):
-            # rollout 1 feeds rollout 2: the trainer hears it from rollout 1 (which names the
-            # bucket), or at the final status if it got there first
-            words = re.compile("bucket \\d+|finish")
-        assert words.search(err), err
-        assert ("trainer" if rank == 0 else "rollout") + " rank" in err or "rendezvous" in err, err
-        if rank and phase != "formation":
-            # never a version it does not hold: the old one if nothing was written
-            assert res["version"] in (1, None), res
-            if phase == "header" and who == "trainer":
-                assert res["version"] == 1, res
-    if phase == "formation" and how == "stop":
-        # stopped (alive) while the others gave up, then killed: its segments wait for the
-        # next weightbus process on the host, which sweeps them (as this one does now)
-        buffers.sweep_stale_segments()
-    for p in procs:
-        assert _shm_of(p.pid) == []
+    """1 trainer, 2 rollouts (gloo, nixl, mooncake; colocated: test_faults_colocated.py).
+    After one good update a peer (the trainer, or rollout 2) is SIGKILLed at ``phase`` of
+    the next; every survivor raises within the deadline naming the phase and claims no
+    version it does not hold."""
+    check_peer_lost(port, backend, phase, who, how)
 
 
 @pytest.mark.parametrize("phase", ["header", "mid-update", "final-status"])
@@ -149,27 +55,14 @@ def test_peer_lost_in_a_delta_update(port, who, phase):
     agreement): after one good update the trainer or rollout 2 is SIGKILLed at ``phase`` of
     a delta update; every survivor raises within the deadline naming the phase, and claims
     no version it does not hold."""
-    results, _ = _lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", delta=True)
+    results, _ = lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", delta=True)
     # (right after the header, the ranks agree on the version held; a rollout lost while it
     # patches is noticed by the other rollout at the final status, the broadcasts having
     # reached it)
     words = {"header": re.compile("header|delta: agreeing|bucket \\d+"),
              "mid-update": re.compile("bucket" if who == "trainer" else "bucket|finish"),
              "final-status": PHASE_WORDS["final-status"]}
-    _survivors_failed_in_time(results, words[phase])
-
-
-def _survivors_failed_in_time(results: dict, words: re.Pattern) -> None:
-    """Every survivor had its first update, then raised within the deadline naming the
-    phase (``words``) and its own side, and claims no version it does not hold."""
-    for rank, res in results.items():
-        assert res["first"] == "ok", res
-        err = res["error"]
-        assert err is not None and res["seconds"] < DEADLINE * 2 + 5, res  # in time, never a hang
-        assert words.search(err), (rank, err)
-        assert ("trainer" if rank == 0 else "rollout") + " rank" in err, err
-        if rank:
-            assert res["version"] in (1, None), res
+    survivors_failed_in_time(results, words[phase])
 
 
 @pytest.mark.parametrize("phase", ["header", "mid-update", "final-status"])
@@ -178,10 +71,10 @@ def test_peer_lost_in_a_sharded_update(port, who, phase):
     """Sharded receive (gloo, point to point: each rollout keeps its rows): after one good
     update the trainer or rollout 2 is SIGKILLed at ``phase``; every survivor raises within
     the deadline naming the phase, and claims no version it does not hold."""
-    results, _ = _lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", sharded=True)
+    results, _ = lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", sharded=True)
     # (a rollout lost mid-update is noticed by the trainer at a bucket it sends it, or at
     # the final status; by the other rollout, which gets its own buckets, at the final status)
-    _survivors_failed_in_time(results, {"header": EITHER, "mid-update": re.compile("bucket \\d+|finish"),
+    survivors_failed_in_time(results, {"header": EITHER, "mid-update": re.compile("bucket \\d+|finish"),
                                         "final-status": PHASE_WORDS["final-status"]}[phase])
 
 
@@ -340,3 +233,57 @@ def test_spawn_stops_the_others_soon_after_a_rank_fails():
                                              "after another rank failed"):
         spawn(workers.fails_or_waits, 2, timeout=300, grace=2)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_relay_node_dying_mid_update_is_named_and_the_others_go_on():
+    """The manager over 4 replicas relaying shards in a chain (relay=1: head -> mid -> tail
+    -> end). ``mid`` dies while its update is in flight: every rank fails the update within
+    its deadline, naming ``mid``; ``tail``, cut off, passes abort notices on, so ``end``
+    hears why from it. Without ``mid`` the next update lands bitwise on the others (``tail``
+    now fed by ``head``); a replica that joins from a live peer catches up and is relayed to
+    from the next update on."""
+    timeout = 20
+    ws = workers_shards
+    trainer = LocalWorkerGroup(ws.ToyTrainer, 1, name="trainer")
+    head, mid, tail, end = (LocalWorkerGroup(ws.ToyTPRollout, 1, *([2] if n == "mid" else []), name=n)
+                            for n in ("head", "mid", "tail", "end"))
+    groups = [trainer, head, mid, tail, end]
+    mgr = CheckpointEngineManager("gloo", trainer, [head, mid, tail, end], timeout=timeout, relay=1,
+                                  bucket_size=1024)  # (the block spans several buckets)
+    model = sum(t.numel() * 4 for t in ws.weights(1).values())
+    try:
+        call(trainer, "train_step", 1, timeout=30)
+        mgr.update_weights(version=1)
+        for g in (head, mid, tail, end):
+            assert call(g, "wrong", 1, timeout=30) == [[]], g.name
+        call(trainer, "train_step", 2, timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed, match="replica 'mid': mid rank 0 died") as info:
+            mgr.update_weights(version=2)
+        # (a dead rank costs its peers the deadline of the collective in flight, as a dead
+        # replica does under broadcast: bounded, not a hang)
+        assert time.monotonic() - t0 < timeout * 1.5 + 5
+        assert re.search(r"end rank 0 raised .*relayed: .*receive bucket \d+ from rollout rank 1 \(relay\)",
+                         str(info.value)), str(info.value)
+        assert info.value.versions["tail"] is None and info.value.versions["end"] is None
+        mgr.remove_replicas([mid])
+        mid.shutdown(timeout=1)
+        call(trainer, "train_step", 3, timeout=30)
+        mgr.update_weights(version=3)
+        for g in (head, tail, end):
+            assert call(g, "wrong", 3, timeout=30) == [[]], g.name
+        assert mgr.versions() == {"head": 3, "tail": 3, "end": 3}
+        late = LocalWorkerGroup(ws.ToyTPRollout, 1, name="late")
+        groups.append(late)
+        mgr.join_from_peer(late)
+        assert call(late, "wrong", 3, timeout=30) == [[]]
+        call(trainer, "train_step", 4, timeout=30)
+        report = mgr.update_weights(version=4)
+        for g in (head, tail, end, late):
+            assert call(g, "wrong", 4, timeout=30) == [[]], g.name
+            assert call(g, "received", timeout=30) == [model + 0]  # (TP=1: the whole block)
+        assert report.bytes == model
+    finally:
+        mgr.shutdown()
+        for g in groups:
+            g.shutdown(timeout=2)

@@ -303,3 +303,27 @@ def test_sweep_plot_draws_every_backend_on_labelled_axes_at_true_positions():
     tick = r'<text x="([\d.]+)" y="[\d.]+" text-anchor="middle">(?:1|2|16)<'
     xs = sorted({float(x) for x in re.findall(tick, svg)})
     assert len(xs) == 3 and abs((xs[2] - xs[1]) - 3 * (xs[1] - xs[0])) < 1.0  # log2: 1 -> 2 -> 16
+
+
+def test_relay_is_planned_where_replicas_outnumber_the_senders():
+    """Sharded receive sends each replica its shards from the trainers: 16 replicas of 4
+    GPUs from 8 trainer GPUs load the trainers' NICs 16 times over. Relayed (the engines'
+    ``relay=k``), the trainers feed one replica and each replica's ranks forward to the
+    next: the planner recommends it, says which k, and the senders send a sixteenth."""
+    c, manifest = cluster("h100", 9), manifest_of(presets.shapes("8b"))
+    lay = Layout(8, 16, 4)
+    preds = {p.backend: p for p in plan(c, lay, manifest)}
+    best = min(preds.values(), key=lambda p: p.seconds)
+    direct, relay = preds["sharded"], preds["sharded-relay"]
+    assert best is relay and relay.seconds < direct.seconds / 3, (relay.seconds, direct.seconds)
+    assert sum(relay.sent_gb) == pytest.approx(sum(direct.sent_gb) / 16)
+    assert relay.received_gb == pytest.approx(direct.received_gb)  # every rank still holds its shard
+    assert any(n.startswith("relay=") and "depth" in n for n in relay.notes), relay.notes
+    assert "relay fill" in relay.parts and relay.floor_s == direct.floor_s
+    # with fewer replicas than the senders can feed, relaying only adds its fill
+    few = {p.backend: p for p in plan(c, Layout(8, 2, 4), manifest)}
+    assert few["sharded"].seconds <= few["sharded-relay"].seconds
+    from weightbus.planning.planner import use
+    assert use("sharded-relay")[0] == "nccl" and "relay=" in use("sharded-relay")[1]
+    # one replica: nothing to relay to
+    assert "sharded-relay" not in {p.backend for p in plan(c, Layout(8, 1, 4), manifest)}

@@ -292,3 +292,115 @@ class PlainTrainer(WeightbusWorker):
 
     def state(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.model.state_dict().items()}
+
+
+# ------------------------------------------------------------------ relay between replicas
+
+def relay_run(rank: int, T: int, P: int, replicas: int, port: int, steps: int, bucket: int,
+              relay: int) -> dict:
+    """T trainer ranks; ``replicas`` replicas of P tensor-parallel ranks each (rollout rank
+    q is TP rank q % P of replica q // P), every engine made with ``relay``."""
+    torch.set_num_threads(1)
+    R = P * replicas
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    trainer = rank < T
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
+                                          bucket_size=bucket, timeout=30, relay=relay)
+    tp = (rank - T) % P
+    if not trainer:
+        params = rollout_params(tp, P)
+        engine.set_shard_destinations(placements(params, tp, P))
+    connect(engine, rdv, T, R)
+    out: dict = {"stats": [], "wrong": []}
+    for step in range(1, steps + 1):
+        if trainer:
+            stats = asyncio.run(engine.send_weights(ModuleSource(weights(step)), version=step))
+        else:
+            async def take():
+                return {n: t.clone() async for n, t in engine.receive_weights()}
+            whole = asyncio.run(take())
+            stats = engine.last_stats
+            want = expected(step, tp, P)
+            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
+            if not torch.equal(whole["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
+                out["wrong"].append(f"{step}:rotary.inv_freq")
+        out["stats"].append(stats.to_dict())
+    engine.finalize(destroy_group=True)
+    return out
+
+
+class ToyTrainer(WeightbusWorker):
+    """The toy block's weights, changed by every ``train_step``."""
+
+    def __init__(self, rank: int, world: int):
+        torch.set_num_threads(1)
+        self.w = weights(0)
+
+    def train_step(self, step: int) -> None:
+        for n, t in weights(step).items():
+            self.w[n].copy_(t)
+
+    def weights_source(self):
+        return ModuleSource(self.w)
+
+
+class _DiesMidUpdate:
+    """Placed destinations that end their process on the third region written at update
+    ``at`` (written one by one: no ``region``, so nothing is tabled)."""
+
+    def __init__(self, placed, worker, at: int):
+        self.placed, self.worker, self.at, self.written = placed, worker, at, 0
+
+    def layout(self, manifest):
+        return self.placed.layout(manifest)
+
+    def place(self, name, box, data):
+        if self.worker.in_flight == self.at:
+            self.written += 1
+            if self.written == 3:
+                import os
+                os._exit(9)
+        self.placed.place(name, box, data)
+
+
+class ToyTPRollout(WeightbusWorker):
+    """Rank ``rank`` of a replica holding the toy block tensor-parallel over ``world`` ranks
+    (its shards placed; ``rotary.inv_freq`` taken whole by its sink). ``die_at``: the
+    process ends mid-update at that version."""
+
+    def __init__(self, rank: int, world: int, die_at: int | None = None):
+        torch.set_num_threads(1)
+        self.rank, self.world, self.die_at, self.in_flight = rank, world, die_at, None
+        self.params = rollout_params(rank, world)
+        self.rotary = {"rotary.inv_freq": torch.full((5,), float("nan"))}
+
+    async def wb_receive(self, version):
+        self.in_flight = version
+        return await super().wb_receive(version)
+
+    def weights_placements(self):
+        placed = placements(self.params, self.rank, self.world)
+        if self.die_at is None:
+            return placed
+        from weightbus.engines.sharded import Placed
+        return _DiesMidUpdate(Placed(placed, f"rank {self.rank}"), self, self.die_at)
+
+    def weights_sink(self):
+        """Every local tensor (a joiner copies them from its peer's sink; an update's sink
+        leaves the placed ones out: not strict, as the fused qkv is no update tensor's
+        name), or, with a Destinations, the one taken whole."""
+        from weightbus import ModuleSink
+        if self.die_at is not None:
+            return ModuleSink(self.rotary)
+        return ModuleSink({**self.params, **self.rotary}, strict=False)
+
+    def wrong(self, step: int) -> list[str]:
+        """The tensors that are not the trainer's at ``step``, bitwise."""
+        want = expected(step, self.rank, self.world)
+        bad = [n for n, t in self.params.items() if not torch.equal(t, want[n])]
+        if not torch.equal(self.rotary["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
+            bad.append("rotary.inv_freq")
+        return bad
+
+    def received(self) -> int:
+        return self._wb_engine.last_stats.bytes

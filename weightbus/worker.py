@@ -29,6 +29,7 @@ class EngineHost:
     weights_version: int | None = None
     _wb_engine: CheckpointEngine | None = None
     _wb_placed: frozenset[str] = frozenset()  # tensors this rollout receives sharded, in place
+    _wb_sharded = False  # it states shard destinations (placements or a Destinations)
 
     def wb_setup(self, backend: str, role: str, engine_kwargs: dict[str, Any],
                  replica: str | None = None) -> None:
@@ -37,16 +38,22 @@ class EngineHost:
         self._wb_engine = engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
         engine.replica = replica
         self._wb_placed: frozenset[str] = frozenset()
+        self._wb_sharded = False
         placements = self.weights_placements() if role == "rollout" else None
         if placements is not None and hasattr(engine, "set_shard_destinations"):
             engine.set_shard_destinations(placements)  # (sharded receive; other engines: whole)
-            self._wb_placed = frozenset(placements)
+            self._wb_sharded = True
+            # (a Destinations states its regions per update: its sink leaves out none)
+            self._wb_placed = frozenset(placements) if isinstance(placements, Mapping) else frozenset()
 
     def weights_placements(self) -> Any:
         """A rollout that keeps only part of each tensor (tensor- or expert-parallel):
         ``{update tensor name: [(Box, destination view), ...]}`` (``weightbus.packing.shards``:
         ``tp_placements``, ``dtensor_placements``); engines that can (``gloo``, ``nccl``)
-        then send it only those regions, written in place. None (the default): whole tensors."""
+        then send it only those regions, written in place; or a
+        :class:`~weightbus.engines.sharded.Destinations` that states its layout per update
+        (its sink should then hold only the tensors it takes whole). None (the default):
+        whole tensors."""
         return None
 
     def wb_connect(self, addr: str, port: int, prefix: str, rank: int, trainer_world_size: int,
@@ -207,7 +214,7 @@ class WeightbusWorker(EngineHost):
             self.weights_version = None
             raise RuntimeError(f"received version {engine.version}, expected {version}")
         self.weights_version = version
-        got = engine.last_stats.bytes if self._wb_placed and engine.last_stats else report.bytes
+        got = engine.last_stats.bytes if self._wb_sharded and engine.last_stats else report.bytes
         return {"seconds": time.perf_counter() - start, "bytes": got, "tensors": report.loaded}
 
 

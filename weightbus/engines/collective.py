@@ -35,14 +35,24 @@ class CollectiveEngine(BucketEngine):
     """Broadcast engine. ``pg_backend`` picks the data plane (``gloo`` moves host
     buckets, ``nccl``/``hccl`` device buckets)."""
 
-    def __init__(self, bucket_size: int | None = None, *, pg_backend: str = "gloo",
+    def __init__(self, bucket_size: int | None = None, *, pg_backend: str = "gloo", relay: int = 0,
                  **kwargs: Any):
+        """``relay`` (sharded receive): 0, every rollout rank is sent its regions by the
+        trainers; k >= 1, the ranks of one layout (rank r of every replica of one
+        parallelism) form a k-ary tree (1: a chain) that forwards each bucket as it
+        arrives, so the trainers send each shard once per layout, not once per replica.
+        Every rank of a group states the same value."""
         if pg_backend == "gloo" and "device" not in kwargs:
             kwargs["device"] = "cpu"
+        if isinstance(relay, bool) or not isinstance(relay, int) or relay < 0:
+            raise PlanError(f"relay must be an int >= 0 (0: off, 1: a chain, k: a k-ary tree), got {relay!r}")
         super().__init__(bucket_size, **kwargs)
         if pg_backend == "nccl" and self.device.type != "cuda":
             raise PlanError(f"backend 'nccl' needs a CUDA device, got {self.device}")
         self.pg_backend = pg_backend
+        self.relay = relay
+        self._relaying: dict[int, list[Any]] = {}  # slot -> its forwards to relay children
+        self._from: dict[int, int | None] = {}  # slot -> the relay rank it receives from
         self._slots: list[torch.Tensor] = []
         self._data: dict[int, Any] = {}  # trainer rank -> data group
         self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
@@ -81,6 +91,7 @@ class CollectiveEngine(BucketEngine):
             meta["nccl_cumem"] = os.environ.get("NCCL_CUMEM_ENABLE", "1")
         if self._shard_dests is not None:
             meta["sharded"] = True
+        meta["relay"] = self.relay
         return self._store_metadata(meta)
 
     def _allocate(self) -> None:
@@ -103,18 +114,32 @@ class CollectiveEngine(BucketEngine):
         T, R = trainer_world_size, rollout_world_size
         if any(m.get("sharded") for m in metadata[T:]):  # (the layouts travel with each update)
             common["sharded"] = True
+        relays = {r: m.get("relay", 0) for r, m in enumerate(metadata)}
+        if len(set(relays.values())) > 1:
+            by: dict[int, list[int]] = {}
+            for r, v in relays.items():
+                by.setdefault(v, []).append(r)
+            raise PlanError("the ranks state different relay values ("
+                            + "; ".join(f"relay={v} on rank(s) {', '.join(map(str, rs))}"
+                                        for v, rs in by.items())
+                            + "): give every engine of the group the same one")
+        if relays and relays[0]:
+            common["relay"] = relays[0]
         trainer = {k: [v] * T for k, v in common.items()} | {"rank": list(range(T))}
         rollout = {k: [v] * R for k, v in common.items()} | {"rank": list(range(T, T + R))}
         return trainer, rollout
 
     def init_process_group(self, *, rank: int, trainer_world_size: int, rollout_world_size: int,
                            master_addr: str, master_port: int, token: str,
-                           bucket_size: int | None = None, sharded: bool = False) -> None:
+                           bucket_size: int | None = None, sharded: bool = False, relay: int = 0) -> None:
         """Join the groups. ``bucket_size`` is the size the group agreed on (see
         :func:`~weightbus.engines.base.agree_buffers`); this rank's buckets follow it.
         ``sharded``: a rollout rank stated shard destinations (every update agrees on the
-        layouts, and moves regions point to point)."""
+        layouts, and moves regions point to point); ``relay``: the group's relay fan-out."""
         T, R = trainer_world_size, rollout_world_size
+        if relay != self.relay:
+            raise PlanError(f"{self.where()}: the group relays with relay={relay}, this engine was made "
+                            f"with relay={self.relay}")
         self._sharding, self._layouts, self._shard_plans = bool(sharded), None, {}
         self._layout_seen = [(None, None)] * R
         if bucket_size is not None and bucket_size != self.bucket_size:
@@ -155,7 +180,7 @@ class CollectiveEngine(BucketEngine):
                     pg.abort()
                 except Exception:  # noqa: BLE001 - already failed; nothing more to do
                     pass
-        self._ctl, self._data, self._inflight = None, {}, {}
+        self._ctl, self._data, self._inflight, self._relaying = None, {}, {}, {}
 
     def finalize(self, destroy_group: bool = False) -> None:
         self._wait_all("finalize")
@@ -207,22 +232,52 @@ class CollectiveEngine(BucketEngine):
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_all("send (flush)")
 
-    def _post_recv(self, b: Bucket | ShardBucket) -> None:
+    def _post_recv(self, b: Bucket | ShardBucket, src: int | None = None) -> None:
+        """``src``: the rollout rank that relays ``b`` here (None: its trainer sends it)."""
         self._allocate()
         s = _slot_of(b, self.num_buffers)
+        for work in self._relaying.pop(s, ()):  # (the slot's last bucket has left for the children)
+            self._wait(work, f"relay onward (before slot {s} takes bucket {b.index})")
         try:
             if isinstance(b, ShardBucket):
-                self._inflight[s] = self._data[b.owner].recv([self._slots[s][: b.wire_bytes]], 0, 0)
+                peer = 0 if src is None else 1 + src
+                self._inflight[s] = self._data[b.owner].recv([self._slots[s][: b.wire_bytes]], peer, 0)
             else:
                 self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)
         except Exception as e:  # noqa: BLE001
-            raise self._fail(f"receive bucket {b.index} from trainer rank {b.owner}", e) from e
+            raise self._fail(f"receive bucket {b.index} from {_whence(b, src)}", e) from e
+        self._from[s] = src
 
     def _wait_recv(self, b: Bucket | ShardBucket) -> torch.Tensor:
         s = _slot_of(b, self.num_buffers)
         work = self._inflight.pop(s)
-        self._wait(work, f"receive bucket {b.index} from trainer rank {b.owner}")
+        self._wait(work, f"receive bucket {b.index} from {_whence(b, self._from.get(s))}")
         return self._slots[s]
+
+    def _forward(self, b: ShardBucket, slot: torch.Tensor, to: int, abort: bool = False) -> None:
+        """Relay: start passing received bucket ``b`` on to rollout rank ``to`` (the slot
+        is reused only once this has left: ``_post_recv``). ``abort``: an abort notice in
+        a scratch buffer, sent after this rank's own transfers failed."""
+        try:
+            work = self._data[b.owner].send([slot[: b.wire_bytes]], 1 + to, 0)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(f"relay bucket {b.index} to rollout rank {to}", e) from e
+        key = -1 if abort else _slot_of(b, self.num_buffers)
+        self._relaying.setdefault(key, []).append(work)
+
+    def _flush_forward(self, abort: bool = False) -> None:
+        """Wait until every relayed bucket has left (``abort``: the notices only, whatever
+        else failed)."""
+        for s in ([-1] if abort else list(self._relaying)):
+            for work in self._relaying.pop(s, ()):
+                if abort:
+                    work.wait()
+                else:
+                    self._wait(work, "relay onward (flush)")
+
+
+def _whence(b: Bucket | ShardBucket, src: int | None) -> str:
+    return f"trainer rank {b.owner}" if src is None else f"rollout rank {src} (relay)"
 
 
 def _slot_of(b: Bucket | ShardBucket, num_buffers: int) -> int:

@@ -16,8 +16,16 @@ order. Senders take their receivers in turn and receivers their senders, both or
 consistent with one global order of (round, receiver, sender): no cycle of waits, and
 every receiver unpacks while the others receive.
 
+With ``relay=k`` (engine option), the rollout ranks of one layout form a tree
+(:class:`~weightbus.packing.shards.ShardPlan`): the senders feed its root, and each member
+forwards every bucket, as it arrives and before it unpacks it, to its children, which
+check and unpack it as the root does. A member whose parent fails forwards abort notices
+in its place, so the ranks below hear why at once, not at their deadline.
+
 A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` /
-``_wait_recv`` given a :class:`~weightbus.packing.shards.ShardBucket` (``owner`` -> ``receiver``).
+``_wait_recv`` given a :class:`~weightbus.packing.shards.ShardBucket` (``owner`` -> ``receiver``);
+for relay, ``_post_recv(b, src=rollout rank)``, ``_forward(b, slot, to)`` and
+``_flush_forward()``.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import numpy as np
 import torch
 
 from weightbus.engines.streams import Stream, StreamBroken, fetch
-from weightbus.errors import PlanError, TransferFailed
+from weightbus.errors import PlanError, TransferFailed, WeightSyncError
 from weightbus.packing import buffers
 from weightbus.packing.buffers import CopyList
 from weightbus.packing.shards import Box, Piece, ShardBucket, ShardLayout, ShardPlan
@@ -196,7 +204,8 @@ def plan_of(engine: BucketEngine, manifest: Manifest) -> ShardPlan:
     key = (manifest.fingerprint, engine.bucket_size, engine.n_senders, said)
     plan = engine._shard_plans.get(key)
     if plan is None:
-        plan = ShardPlan(manifest, engine._layouts, engine.bucket_size, engine.n_senders)  # type: ignore[arg-type]
+        plan = ShardPlan(manifest, engine._layouts, engine.bucket_size, engine.n_senders,  # type: ignore[arg-type]
+                         getattr(engine, "relay", 0))
         engine._shard_plans = {key: plan}
         engine._shard_copies = {}  # (the tables of the plan before)
     return plan
@@ -342,17 +351,24 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
         plan = plan_of(engine, manifest)
     except PlanError as e:  # every rank computes the same plan: every rank fails here alike
         error = error or f"{engine.where()}: sharded plan of version {version}: {e}"
-    mine = plan.received_by(engine.rank - engine.n_senders) if plan is not None else []
-    layout = engine._layouts[engine.rank - engine.n_senders] if plan is not None else None
+    r = engine.rank - engine.n_senders
+    mine = plan.received_by(r) if plan is not None else []
+    layout = engine._layouts[r] if plan is not None else None
+    src = plan.relay_from[r] if plan is not None else None
+    children = plan.relay_to[r] if plan is not None else ()
     places = _Places(engine, layout, manifest)
     closed = False
     wire = 0
     nb = engine.num_buffers
+    forwarded = 0  # (buckets passed on to the children)
     try:
         for b in mine[:nb]:
-            engine._post_recv(b)  # type: ignore[arg-type]
+            engine._post_recv(b, src=src)  # type: ignore[arg-type]
         for b in mine:
             slot = engine._wait_recv(b)  # type: ignore[arg-type]
+            for q in children:  # (before unpacking: the next hop starts at once)
+                engine._forward(b, slot, q)
+            forwarded += 1
             wire += b.wire_bytes
             status, msg = buffers.check_trailer(slot, b, version, engine.where())  # type: ignore[arg-type]
             if status != buffers.STATUS_OK and error is None:
@@ -375,15 +391,39 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
                         error = (f"{engine.where()}: {engine._stopped()} at tensor {done[0][0]!r}; "
                                  f"the update is incomplete")
             if b.seq + nb < len(mine):
-                engine._post_recv(mine[b.seq + nb])  # type: ignore[arg-type]
+                engine._post_recv(mine[b.seq + nb], src=src)  # type: ignore[arg-type]
+        if children:
+            engine._flush_forward()
     except TransferFailed as e:
         error = error or str(e)
-    r = engine.rank - engine.n_senders
+        if children:
+            _abort_children(engine, mine[forwarded:], children, version, error)
+    except WeightSyncError as e:  # this rank's group broke: the ranks below hear it, then it raises
+        if children:
+            _abort_children(engine, mine[forwarded:], children, version, str(e))
+        raise
     engine._sharded_got = (plan.bytes_for(r), plan.fallbacks[r]) if plan is not None else None
     try:
         engine._end_receive(start, version, manifest, error, closed, on_complete, wire, len(mine))
     finally:
         engine._sharded_got = None
+
+
+def _abort_children(engine: BucketEngine, rest: Sequence[ShardBucket], children: Sequence[int], version: int,
+                    error: str) -> None:
+    """This relay member's transfers failed before ``rest[0]``: its children get an abort
+    notice for every bucket they still wait for from it, naming why (best effort: a child
+    this rank cannot reach either fails at its own deadline)."""
+    notice = torch.zeros(engine.bucket_size, dtype=torch.uint8, device=engine.device)
+    try:
+        for b in rest:
+            buffers.write_trailer(notice, b, version, buffers.STATUS_ABORT,  # type: ignore[arg-type]
+                                  f"relayed: {error}")
+            for q in children:
+                engine._forward(b, notice, q, abort=True)
+            engine._flush_forward(abort=True)
+    except Exception:  # noqa: BLE001 - already failing; the children's deadline remains
+        pass
 
 
 class _Unpack:

@@ -14,7 +14,11 @@ and per-bucket metadata never travels (as with :class:`~weightbus.plan.BucketPla
   buckets of ``bucket_size`` bytes (a box larger than a bucket is cut into smaller boxes
   along its leading dimensions), each piece at an aligned offset; a sender sends to its
   receivers in turn, bucket by bucket (round-robin), so they all unpack at once;
-- a receiver gets each box it wants exactly once, and nothing else.
+- a receiver gets each box it wants exactly once, and nothing else;
+- with ``relay=k``, the rollout ranks of one layout (rank r of every replica of one
+  parallelism) form a k-ary tree in rank order: only its root is sent buckets, and every
+  member forwards each bucket it receives, as it arrives, to its children (k=1: a chain).
+  The senders' links then carry each shard once per layout, not once per replica.
 
 A tensor a layout does not name is wanted whole (the rank's fallback: its sink loads whole
 tensors); one it maps to no box is not wanted at all.
@@ -215,7 +219,7 @@ class ShardBucket(Framed):
 
     index: int  # position in the plan
     owner: int  # the trainer rank that packs and sends it
-    receiver: int  # the rollout rank (0..R-1) it goes to
+    receiver: int  # the rollout rank (0..R-1) it goes to (relayed: the root of its tree)
     pieces: tuple[Piece, ...]
     used: int
     turn: int  # its position among its sender's buckets (senders cycle their slots by it)
@@ -227,16 +231,35 @@ class ShardPlan:
     entry per rollout rank (None: that rank takes every tensor whole)."""
 
     def __init__(self, manifest: Manifest, layouts: Sequence[ShardLayout | None], bucket_size: int,
-                 n_senders: int):
+                 n_senders: int, relay: int = 0):
         if n_senders < 1:
             raise PlanError(f"n_senders must be >= 1, got {n_senders}")
+        if relay < 0:
+            raise PlanError(f"relay must be >= 0 (0: no relay, 1: a chain, k: a k-ary tree), got {relay}")
         capacity = (bucket_size - TRAILER_BYTES) // 8 * 8
         if capacity < ALIGNMENT:
             raise PlanError(f"bucket_size={bucket_size} is too small for a sharded update "
                             f"(minimum {ALIGNMENT + TRAILER_BYTES})")
         self.manifest, self.bucket_size, self.n_senders = manifest, bucket_size, n_senders
         metas = manifest.metas
-        wants = [(layout or ShardLayout({})).wants(manifest, r) for r, layout in enumerate(layouts)]
+        R = len(layouts)
+        #: relay: the rollout rank each rank's buckets come from (None: from the senders)
+        #: and those it forwards them to
+        self.relay_from: list[int | None] = [None] * R
+        self.relay_to: list[tuple[int, ...]] = [()] * R
+        self.relay = relay
+        if relay:
+            same: dict[bytes | None, list[int]] = {}
+            for r, layout in enumerate(layouts):
+                same.setdefault(layout.to_bytes() if layout is not None else None, []).append(r)
+            for members in same.values():
+                for j, q in enumerate(members[1:], 1):
+                    parent = members[(j - 1) // relay]
+                    self.relay_from[q] = parent
+                    self.relay_to[parent] += (q,)
+        roots = [r if self.relay_from[r] is None else self.root(r) for r in range(R)]
+        wants = [(layout or ShardLayout({})).wants(manifest, r) if roots[r] == r else []
+                 for r, layout in enumerate(layouts)]
         #: per rollout rank, how many tensors it takes whole because its layout does not
         #: name them (its sink loads those whole: the fallback)
         self.fallbacks = [sum(1 for m in metas if layout is None or m.name not in layout.boxes)
@@ -262,7 +285,8 @@ class ShardPlan:
             turns[s], seqs[r] = turns[s] + 1, seqs[r] + 1
         self.buckets: tuple[ShardBucket, ...] = tuple(buckets)
         self._sent = [[b for b in buckets if b.owner == s] for s in range(n_senders)]
-        self._got = [[b for b in buckets if b.receiver == r] for r in range(len(layouts))]
+        got = [[b for b in buckets if b.receiver == r] for r in range(R)]
+        self._got = [got[roots[r]] for r in range(R)]  # (a relayed rank: its root's buckets)
         self._holds = [{p.tensor for b in sent for p in b.pieces} for sent in self._sent]
         self._bytes = [sum(p.nbytes for b in got for p in b.pieces) for got in self._got]
 
@@ -291,6 +315,19 @@ class ShardPlan:
             out[i] = s
             load[s] += wanted[i]
         return out
+
+    def root(self, receiver: int) -> int:
+        """The rank of ``receiver``'s relay tree that the senders feed (itself, unrelayed)."""
+        while (up := self.relay_from[receiver]) is not None:
+            receiver = up
+        return receiver
+
+    @property
+    def relay_depth(self) -> int:
+        """Hops of the longest relay path (0: every rank is fed by the senders)."""
+        def depth(r: int) -> int:
+            return 0 if self.relay_from[r] is None else 1 + depth(self.relay_from[r])  # type: ignore[arg-type]
+        return max((depth(r) for r in range(len(self.relay_from))), default=0)
 
     def sent_by(self, sender: int) -> list[ShardBucket]:
         return self._sent[sender]

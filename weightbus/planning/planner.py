@@ -79,6 +79,8 @@ USE = {
     "sharded": ("nccl", "with shard destinations on the rollout ranks (a rollout worker's "
                         "weights_placements(), or engine.set_shard_destinations(); vLLM TP replicas "
                         "receive sharded by default)"),
+    "sharded-relay": ("nccl", "with shard destinations on the rollout ranks and relay=k on every "
+                              "engine (k: its note; each replica's ranks forward their shards to the next)"),
     "colocated": ("colocated", "in direct mode (the rollout exports its tensors: "
                                "engine.set_destinations(named, direct=True))"),
     "colocated-ring": ("colocated", "with its ring of buckets (the default)"),

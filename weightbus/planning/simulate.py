@@ -33,6 +33,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -186,6 +187,26 @@ class Shards:
         metas = manifest.metas
         #: payload bytes each rank of a replica keeps
         self.bytes = [sum(b.numel * metas[i].itemsize for i, b in w) for w in self.wants]
+        self._pairs: dict[tuple[int, int, float], tuple[Any, ...]] = {}
+
+    def pairs(self, sending: Manifest, senders: int, scale: float
+              ) -> tuple[dict[tuple[int, int], float], list[int], list[int]]:
+        """The bytes each (sender, rank of a replica) pair moves, the pieces each sender
+        cuts per replica, and each tensor's sender (:meth:`ShardPlan._senders`): worked out
+        once per sending manifest (every sharded schedule and bucket size reads them)."""
+        key = (id(sending), senders, scale)
+        got = self._pairs.get(key)
+        if got is None or got[0] is not sending:
+            metas = self.manifest.metas
+            owner = ShardPlan._senders(sending, [m.nbytes for m in metas], senders)
+            pair: dict[tuple[int, int], float] = defaultdict(float)
+            pieces = [0] * senders
+            for r, wanted in enumerate(self.wants):
+                for i, b in wanted:
+                    pair[(owner[i], r)] += b.numel * metas[i].itemsize * scale
+                    pieces[owner[i]] += 1
+            got = self._pairs[key] = (sending, dict(pair), pieces, owner)
+        return got[1], got[2], got[3]
 
 
 def _expert_index(name: str) -> int | None:
@@ -433,27 +454,30 @@ def _mooncake(u: _Update, backend: str) -> None:
                    f"nominal, assumed")
 
 
-@_schedule("sharded")
+@_schedule("sharded", "sharded-relay")
 def _sharded(u: _Update, backend: str) -> None:
     """One sender per tensor (:meth:`ShardPlan._senders`); each rank of every replica gets
-    its regions (:meth:`ShardLayout.wants`) straight from that sender."""
-    lay, links, metas = u.lay, u.links, u.manifest.metas
+    its regions (:meth:`ShardLayout.wants`) straight from that sender; or, relayed
+    (``sharded-relay``: the engines' ``relay=k``), each rank of the first replica does, and
+    forwards every bucket as it lands to rank r of the next replicas, along a k-ary tree
+    (the k of the least time: a chain loads each link with one shard, a wider tree adds a
+    shard per child to a relay's link and takes fewer hops of fill)."""
+    lay, links = u.lay, u.links
     T = lay.n_senders
-    senders = ShardPlan._senders(u.sending, [m.nbytes for m in metas], T)
-    pair: dict[tuple[int, int], float] = defaultdict(float)
-    pieces = [0] * T  # (per replica)
-    for r, wanted in enumerate(u.shards.wants):
-        for i, b in wanted:
-            pair[(senders[i], r)] += b.numel * metas[i].itemsize * u.scale
-            pieces[senders[i]] += 1
-    # a sender cuts and packs every piece it sends, for every replica, while its buckets go
-    u.host_s = max(pieces) * lay.replicas * u.cal.piece_s
+    metas = u.manifest.metas
+    pair, pieces, senders = u.shards.pairs(u.sending, T, u.scale)
+    relay = backend == "sharded-relay" and lay.replicas > 1
+    fed = 1 if relay else lay.replicas  # the replicas the senders send to
+    # a sender cuts and packs every piece it sends, for every replica it feeds, while its buckets go
+    u.host_s = max(pieces) * fed * u.cal.piece_s
     u.sent = [0.0] * T
-    for rep in range(lay.replicas):
+    for rep in range(fed):
         for (s, r), nbytes in pair.items():
             links.hop(lay.sender_gpu(s), lay.rollout_gpu(rep * lay.rollout_gpus + r), nbytes)
             u.sent[s] += nbytes
-    u.buckets = sum(math.ceil(v / u.bucket_size) for v in pair.values()) * lay.replicas
+    u.buckets = sum(math.ceil(v / u.bucket_size) for v in pair.values()) * fed
+    if relay:
+        _relay(u, pair)
     if lay.megatron:  # (each tensor gathered once, on its sender)
         split: dict[int, float] = defaultdict(float)
         for i, m in enumerate(metas):
@@ -467,6 +491,36 @@ def _sharded(u: _Update, backend: str) -> None:
     u.extra_gib = u.num_buffers * u.bucket_size / GiB
     if any(m.name.endswith("_scale_inv") for m in metas):
         u.notes.append("fp8 scales go whole to every rank of a replica")
+
+
+def _relay(u: _Update, pair: dict[tuple[int, int], float]) -> None:
+    """The relay trees of a ``sharded-relay`` update: rank r of replica 0 roots a k-ary
+    tree over rank r of every replica (:class:`ShardPlan`'s, k from 1, 2, 4: the least
+    link time plus fill), each member forwarding its shard to its children."""
+    lay, links = u.lay, u.links
+    n, gpus = lay.replicas, lay.rollout_gpus
+    shard = max(u.shards.bytes) * u.scale
+    rate, lat = links.link_of(lay.rollout_gpu(0), lay.rollout_gpu(gpus * (n - 1)))
+    first = min(u.bucket_size, max(pair.values()))
+    senders = max((sum(v for (s, _), v in pair.items() if s == t) for t in range(lay.n_senders)), default=0.0)
+
+    def depth(k: int) -> int:  # hops from a root to its deepest member
+        d, last = 0, n - 1
+        while last > 0:
+            last, d = (last - 1) // k, d + 1
+        return d
+
+    def cost(k: int) -> float:
+        return max(senders, min(k, n - 1) * shard) / rate + depth(k) * (first / rate + lat)
+
+    k = min((1, 2, 4), key=lambda k: (cost(k), k))
+    for r in range(gpus):
+        members = [lay.rollout_gpu(rep * gpus + r) for rep in range(n)]
+        for j in range(1, n):
+            links.hop(members[(j - 1) // k], members[j], u.shards.bytes[r] * u.scale)
+    u.parts["relay fill"] = depth(k) * (first / rate + lat)
+    u.notes.append(f"relay={k} ({'a chain' if k == 1 else f'a {k}-ary tree'} of the {n} replicas per "
+                   f"rank, depth {depth(k)})")
 
 
 @_schedule("shm")
@@ -563,7 +617,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     if delta is not None and backend not in _DELTA:
         raise PlanError(f"delta updates run on the bucket engines ({', '.join(_DELTA)}), not {backend}"
                         + (" (delta and sharded receive do not combine in the engines yet)"
-                           if backend == "sharded" else ""))
+                           if backend.startswith("sharded") else ""))
     if verify_every < 0:
         raise PlanError(f"verify_every must be >= 0 (0: never), got {verify_every}")
     lay.check(c)
@@ -698,6 +752,8 @@ def plan(c: Cluster, lay: Layout, manifest: Manifest, *, bucket_sizes: Sequence[
          **kw) -> list[Prediction]:
     """Every backend that fits the layout, each at its best bucket size, fastest first."""
     names = ("colocated", "colocated-ring") if lay.colocated else ("nccl", "nixl", "mooncake", "sharded")
+    if not lay.colocated and lay.replicas > 1:
+        names = (*names, "sharded-relay")
     one_node = {c.node_of(lay.rollout_gpu(r)) for r in range(lay.rollouts)} == {c.node_of(lay.sender_gpu(0))}
     if one_node and not lay.colocated:
         names = (*names, "shm")

@@ -76,6 +76,11 @@ class BenchConfig:
     #: ranks of one replica (each keeps its rows of every matrix, the rest whole) next to
     #: the dense one (the broadcast row), and report the bytes each rank received
     rollout_tp: int | None = None
+    #: with ``rollout_tp``: the receivers are this many replicas of ``rollout_tp`` ranks
+    replicas: int = 1
+    #: with ``rollout_tp``: also time the sharded update relayed between the replicas
+    #: (the engines' ``relay=k``: the trainer feeds the first replica, which forwards)
+    relay: int | None = None
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -109,10 +114,18 @@ class BenchConfig:
             if self.delta is not None:
                 raise ValueError("rollout_tp= and delta= do not combine (sharded receive has no delta "
                                  "mode yet)")
-            if self.receivers not in (1, tp):
-                raise ValueError(f"rollout_tp={tp} makes {tp} receivers; receivers={self.receivers} "
-                                 f"disagrees")
-            self.receivers = tp
+            r = self.replicas
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError(f"replicas must be an int >= 1, got {r!r}")
+            if self.receivers not in (1, tp * r):
+                raise ValueError(f"rollout_tp={tp} x replicas={r} makes {tp * r} receivers; "
+                                 f"receivers={self.receivers} disagrees")
+            self.receivers = tp * r
+            k = self.relay
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+                raise ValueError(f"relay must be an int >= 1 (1: a chain, k: a k-ary tree), got {k!r}")
+        elif self.replicas != 1 or self.relay is not None:
+            raise ValueError("replicas= and relay= apply to sharded rows: give rollout_tp= too")
         if self.receivers > 1 and self.gpu and torch.cuda.device_count() < 1 + self.receivers:
             raise ValueError(f"{self.receivers} receivers on GPUs need {1 + self.receivers} of them (one "
                              f"per rank); this machine has {torch.cuda.device_count()}")
@@ -135,7 +148,8 @@ class BenchConfig:
         if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1):
             return self.scenario
         shape = f" {self.topology}" if self.topology else ""
-        return f"disagg {self.engine}{shape} 1->{self.receivers}" + (" TP" if self.rollout_tp else "")
+        return f"disagg {self.engine}{shape} 1->{self.receivers}" + (" TP" if self.rollout_tp else "") \
+            + (f"x{self.replicas}" if self.replicas > 1 else "")
 
 
 # ------------------------------------------------------------------ helpers
@@ -258,15 +272,16 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
 
 
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
-             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None, sharded: Any = None
-             ) -> tuple[dict[str, list[float]], int]:
+             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None, sharded: Any = None,
+             relayed: Any = None) -> tuple[dict[str, list[float]], int]:
     """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
     rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
     transient device memory of the weightbus calls at their peak."""
     if naive is not None and len(cfg.shapes()) > NAIVE_MAX_TENSORS:
         naive = None  # a collective per tensor would take minutes per round
     times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {}) \
-        | ({"delta": []} if delta is not None else {}) | ({"sharded": []} if sharded is not None else {})
+        | ({"delta": []} if delta is not None else {}) | ({"sharded": []} if sharded is not None else {}) \
+        | ({"relayed": []} if relayed is not None else {})
     peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
         mutate()
@@ -281,6 +296,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         if sharded is not None:
             got["sharded"] = _timed(rdv, device, sharded)
+        if relayed is not None:
+            got["relayed"] = _timed(rdv, device, relayed)
         if it:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
@@ -425,26 +442,35 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         connect(delta_engine, rdv, 1, cfg.receivers)
         delta_fn = _update_fn(delta_engine, source, delta_weights)
 
-    shard_fn, shard_engine, shards = None, None, None
-    if cfg.rollout_tp:  # a second engine: each rollout rank a TP rank keeping its rows
-        shard_engine = CheckpointEngineRegistry.new(
-            cfg.engine, device=device, timeout=cfg.timeout, role="trainer" if trainer else "rollout",
-            bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None)
-        if not trainer:
-            shards = {n: torch.zeros(_tp_box(s, rank - 1, cfg.rollout_tp).size, dtype=WIRE, device=device)
-                      for n, s in cfg.shapes()}
-            shard_engine.set_shard_destinations({n: [(_tp_box(s, rank - 1, cfg.rollout_tp), shards[n])]
-                                                 for n, s in cfg.shapes()})
-        connect(shard_engine, rdv, 1, cfg.receivers)
+    shard_fn = relay_fn = shard_engine = relay_engine = shards = relayed = None
+    if cfg.rollout_tp:  # more engines: each rollout rank a TP rank keeping its rows
+        tp_rank = (rank - 1) % cfg.rollout_tp
 
-        def shard_fn() -> None:
-            if trainer:
-                asyncio.run(shard_engine.send_weights(source))
-            else:
-                async def drain() -> None:  # (every region lands in place: nothing is yielded)
-                    async for _ in shard_engine.receive_weights():
-                        pass
-                asyncio.run(drain())
+        def sharded_engine(relay: int) -> tuple[Any, Any, Any]:
+            eng = CheckpointEngineRegistry.new(
+                cfg.engine, device=device, timeout=cfg.timeout, role="trainer" if trainer else "rollout",
+                bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, relay=relay)
+            dests = None
+            if not trainer:
+                dests = {n: torch.zeros(_tp_box(s, tp_rank, cfg.rollout_tp).size, dtype=WIRE, device=device)
+                         for n, s in cfg.shapes()}
+                eng.set_shard_destinations({n: [(_tp_box(s, tp_rank, cfg.rollout_tp), dests[n])]
+                                            for n, s in cfg.shapes()})
+            connect(eng, rdv, 1, cfg.receivers)
+
+            def fn() -> None:
+                if trainer:
+                    asyncio.run(eng.send_weights(source))
+                else:
+                    async def drain() -> None:  # (every region lands in place: nothing is yielded)
+                        async for _ in eng.receive_weights():
+                            pass
+                    asyncio.run(drain())
+            return eng, dests, fn
+
+        shard_engine, shards, shard_fn = sharded_engine(0)
+        if cfg.relay:
+            relay_engine, relayed, relay_fn = sharded_engine(cfg.relay)
 
     def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
@@ -466,7 +492,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             if trainer:
                 _mutate(weights)
     times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
-                           delta_fn, shard_fn)
+                           delta_fn, shard_fn, relay_fn)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -493,7 +519,13 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         else:
             stats = shard_engine.last_stats
             result.update(shard_checksums=_checksums(shards), shard_bytes=stats.bytes)  # type: ignore[arg-type,union-attr]
+            if relay_engine is not None and _checksums(relayed) != result["shard_checksums"]:  # type: ignore[arg-type]
+                result["shard_checksums"] = {"relayed": "MISMATCH"}  # type: ignore[assignment]
         shard_engine.finalize(destroy_group=True)
+        if relay_engine is not None:
+            result["relay_wire"] = relay_engine.last_stats.wire_bytes if trainer else 0  # type: ignore[union-attr]
+            result["sharded_wire"] = shard_engine.last_stats.wire_bytes if trainer else 0  # type: ignore[union-attr]
+            relay_engine.finalize(destroy_group=True)
     engine.finalize(destroy_group=True)
     return result
 
@@ -660,8 +692,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         got = [r["shard_bytes"] for r in rollouts]
         row.update(rollout_tp=cfg.rollout_tp, sharded_s=med["sharded"], shard_bytes=got,
                    sharded_vs_broadcast=med["sharded"] / med["weightbus"],
-                   verified=verified and all(r["shard_checksums"] == trainer["shard_checksums"][i]
-                                             for i, r in enumerate(rollouts)))
+                   verified=verified and all(
+                       r["shard_checksums"] == trainer["shard_checksums"][i % cfg.rollout_tp]
+                       for i, r in enumerate(rollouts)))
+        if cfg.relay:
+            row.update(replicas=cfg.replicas, relay=cfg.relay, relayed_s=med["relayed"],
+                       relayed_vs_sharded=med["relayed"] / med["sharded"],
+                       relay_sent_fraction=trainer["relay_wire"] / max(1, trainer["sharded_wire"]))
     if cfg.delta is not None:
         row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
                    delta_vs_dense=med["delta"] / med["weightbus"], delta_vs_floor=med["delta"] / med["floor"],
@@ -696,6 +733,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"{r['sharded_vs_broadcast']:.2f}x the broadcast row (target <= {1.1 / tp:.2f}x); "
                          f"received per rank " + ", ".join(f"{b / 1e6:.1f} MB" for b in r["shard_bytes"])
                          + f" of {r['bytes'] / 1e6:.1f} MB")
+        if r.get("relayed_s") is not None:
+            lines.append(f"{'  relayed relay=' + str(r['relay']):<33} {r['relayed_s'] * 1e3:9.1f} ms = "
+                         f"{r['relayed_vs_sharded']:.2f}x the sharded row, {r['replicas']} replicas; the "
+                         f"trainer sent {r['relay_sent_fraction']:.2f}x the sharded row's bytes")
         if r.get("delta_s") is not None:
             lines.append(f"{'  delta ' + format(r['delta_fraction'], '.1%') + ' changed':<33} wire "
                          f"{r['delta_wire_fraction']:6.1%} of dense {r['delta_s'] * 1e3:9.1f} ms = "

@@ -331,7 +331,9 @@ def _bench(args: argparse.Namespace) -> int:
     # the disaggregated scenario's own knobs: they choose it, and refuse any other
     knobs = [k for k, given in (("--backend", args.backend), ("--receivers", args.receivers != 1),
                                 ("--delta", args.delta is not None),
-                                ("--rollout-tp", args.rollout_tp is not None)) if given]
+                                ("--rollout-tp", args.rollout_tp is not None),
+                                ("--replicas", args.replicas != 1),
+                                ("--relay", args.relay is not None)) if given]
     if knobs:
         others = sorted(set(args.scenario or ()) - {"disaggregated"})
         if others:
@@ -361,7 +363,9 @@ def _bench(args: argparse.Namespace) -> int:
                                receivers=args.receivers,
                                topology=args.topology if e == "nixl" else None,
                                delta=args.delta if s == "disaggregated" else None,
-                               rollout_tp=args.rollout_tp if s == "disaggregated" else None)
+                               rollout_tp=args.rollout_tp if s == "disaggregated" else None,
+                               replicas=args.replicas if s == "disaggregated" else 1,
+                               relay=args.relay if s == "disaggregated" else None)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         error(str(e))
@@ -471,6 +475,11 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
                    help="--scenario disaggregated (chosen by it): the receivers are the N tensor-parallel "
                         "ranks of one replica; also time a sharded update (each rank receives only its "
                         "rows) next to the broadcast, and print the bytes each rank received")
+    b.add_argument("--replicas", type=_int(1, 64, what=" (replicas)"), default=1,
+                   help="--rollout-tp N: the receivers are this many replicas of N ranks")
+    b.add_argument("--relay", type=_int(1, 64, what=" (relay fan-out)"), metavar="K",
+                   help="--rollout-tp N: also time the sharded update relayed between the replicas "
+                        "(relay=K: 1 a chain, K a K-ary tree)")
     b.add_argument("--iters", type=_int(1, what=" (timed iterations)"), default=5,
                    help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
