@@ -41,14 +41,24 @@ def _bench_rows(path: Path, data: list[dict]) -> list[list[str]]:
     for r in data:
         if not r.get("weightbus_s"):
             continue
-        cmd = f"weightbus bench --scenario {r['scenario']} --preset {r['preset'].split('/')[0]}"
+        scenario = "disaggregated" if r["scenario"].startswith("disagg ") else r["scenario"]
+        cmd = f"weightbus bench --scenario {scenario} --preset {r['preset'].split('/')[0]}"
         if "/" in r["preset"]:
             cmd += f" --layers {r['preset'].split('/')[1].rstrip('L')}"
         if r.get("trainer_dtype"):
             cmd += f" --trainer-dtype {r['trainer_dtype']}"
+        if r.get("rollout_tp"):  # (the sharded rows: one replica of N ranks, or R of them)
+            cmd += f" --rollout-tp {r['rollout_tp']}"
+            cmd += f" --replicas {r['replicas']}" if r.get("replicas", 1) > 1 else ""
+            cmd += f" --relay {r['relay']}" if r.get("relay") else ""
         what = f"{r['scenario']}, {r['preset']}, {r['tensors']:,} tensors"
-        out.append([what, f"{r['weightbus_s'] * 1e3:.1f} ms", f"{r['floor_s'] * 1e3:.1f} ms",
-                    f"{r['ratio']:.2f}x", r.get("device", ""), f"`{cmd}`"])
+        floor, dev = f"{r['floor_s'] * 1e3:.1f} ms", r.get("device", "")
+        rows = [(what, r["weightbus_s"])]
+        if r.get("sharded_s"):
+            rows.append((f"{what}: sharded TP={r['rollout_tp']}", r["sharded_s"]))
+        if r.get("relayed_s"):
+            rows.append((f"{what}: sharded, relay={r['relay']}, {r['replicas']} replica(s)", r["relayed_s"]))
+        out += [[w, f"{t * 1e3:.1f} ms", floor, f"{t / r['floor_s']:.2f}x", dev, f"`{cmd}`"] for w, t in rows]
     return out
 
 
