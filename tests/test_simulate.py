@@ -270,19 +270,23 @@ def test_plan_cli_writes_every_rank_and_link_as_json(tmp_path):
 
 
 def test_plan_cli_prices_the_delta_check_every_n_updates(tmp_path):
+    """The receivers' whole-destination check every N delta updates costs 1/N of it per
+    update, and none with N=0 (priced in process); the command line's --verify-every
+    writes the same into its JSON, and refuses it without --delta."""
     import json
+    c, lay, manifest = cluster("h100", 2), Layout(8, 1, 8), manifest_of(presets.shapes("8b"))
+    verify = [plan(c, lay, manifest, delta=0.02, verify_every=n)[0].parts.get("verify", 0.0)
+              for n in (1, 4, 0)]
+    assert verify[1] == pytest.approx(verify[0] / 4) and verify[2] == 0.0 < verify[1]
     base = [sys.executable, "-m", "weightbus", "plan", "--cluster", "h100", "--model", "8b",
             "--trainers", "8", "--replicas", "1", "--rollout-gpus", "8", "--delta", "0.02"]
-    verify = []
-    for n in ("1", "4", "0"):
-        out = tmp_path / f"v{n}.json"
-        got = subprocess.run([*base, "--verify-every", n, "--json", str(out)], capture_output=True, text=True,
-                             timeout=120)
-        assert got.returncode == 0, got.stderr
-        doc = json.loads(out.read_text())
-        assert doc["model"]["verify_every"] == int(n)
-        verify.append(doc["predictions"][0]["parts"].get("verify", 0.0))
-    assert verify[1] == pytest.approx(verify[0] / 4) and verify[2] == 0.0 < verify[1]
+    out = tmp_path / "v4.json"
+    got = subprocess.run([*base, "--verify-every", "4", "--json", str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"]["verify_every"] == 4
+    assert doc["predictions"][0]["parts"]["verify"] == pytest.approx(verify[1])
     bad = subprocess.run(base[:-2] + ["--verify-every", "4"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "give --delta too" in bad.stderr
 

@@ -50,6 +50,8 @@ class Box:
 
     @classmethod
     def whole(cls, shape: Sequence[int]) -> Box:
+        if cls is Box:  # (boxes are immutable: one per shape is shared)
+            return _whole(tuple(shape))
         return cls((0,) * len(shape), tuple(int(s) for s in shape))
 
     @classmethod
@@ -122,6 +124,13 @@ class Box:
         return "[" + ", ".join(f"{a}:{a + n}" for a, n in zip(self.start, self.size, strict=True)) + "]"
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _whole(shape: tuple[int, ...]) -> Box:
+    """The whole box of ``shape``: a plan asks for it once per rank and tensor its layout
+    leaves whole (a trillion-parameter MoE's 16 ranks: a million times)."""
+    return Box((0,) * len(shape), tuple(int(s) for s in shape))
+
+
 class ShardLayout:
     """What one rollout rank keeps of an update: tensor name -> the boxes it keeps.
     A name not listed is wanted whole; one mapped to no box is not wanted. Fixed once
@@ -142,7 +151,7 @@ class ShardLayout:
                 continue
             for b in boxes:
                 b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
-            for j, a in enumerate(boxes):
+            for j, a in enumerate(boxes[:-1]):
                 for b in boxes[j + 1:]:
                     if a.overlaps(b):
                         raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "

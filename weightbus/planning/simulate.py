@@ -176,7 +176,8 @@ def rollout_layouts(manifest: Manifest, gpus: int) -> list[ShardLayout]:
 class Shards:
     """Which regions each rank of a replica keeps (:func:`rollout_layouts`, or ``layouts``
     given, read through the engines' own :meth:`ShardLayout.wants`): made once per model
-    and replica size, shared by every backend and bucket size :func:`plan` tries."""
+    and replica size, shared by every backend and bucket size :func:`plan` tries, with what
+    they all read of the model (its bucket plans, its sharded pairs), worked out once."""
 
     def __init__(self, manifest: Manifest, gpus: int, layouts: Sequence[ShardLayout] | None = None):
         self.manifest, self.gpus = manifest, gpus
@@ -188,6 +189,16 @@ class Shards:
         #: payload bytes each rank of a replica keeps
         self.bytes = [sum(b.numel * metas[i].itemsize for i, b in w) for w in self.wants]
         self._pairs: dict[tuple[int, int, float], tuple[Any, ...]] = {}
+        self._bucket_plans: dict[tuple[int, int, int], tuple[Manifest, BucketPlan]] = {}
+
+    def bucket_plan(self, sending: Manifest, bucket_size: int, senders: int) -> BucketPlan:
+        """The engines' :class:`BucketPlan` of ``sending``, made once per bucket size and
+        sender count (every whole-model schedule of a plan reads the same one)."""
+        key = (id(sending), bucket_size, senders)
+        got = self._bucket_plans.get(key)
+        if got is None or got[0] is not sending:
+            got = self._bucket_plans[key] = (sending, BucketPlan(sending, bucket_size, senders))
+        return got[1]
 
     def pairs(self, sending: Manifest, senders: int, scale: float
               ) -> tuple[dict[tuple[int, int], float], list[int], list[int]]:
@@ -381,7 +392,7 @@ def _bucket_trees(u: _Update, backend: str) -> None:
     trees of one child), each relay forwarding a bucket once it holds all of it."""
     c, lay, links, cal = u.c, u.lay, u.links, u.cal
     T, R = lay.n_senders, lay.rollouts
-    plan = BucketPlan(u.sending, u.bucket_size, T)
+    plan = u.shards.bucket_plan(u.sending, u.bucket_size, T)
     if lay.megatron:  # a packer gathers the TP pieces it lacks from its stage's TP peers
         for b in plan.buckets:
             split = sum(ch.nbytes for ch in b.chunks if tp_split(u.manifest[ch.index].name,
@@ -431,7 +442,7 @@ def _mooncake(u: _Update, backend: str) -> None:
     (a ring over NVLink inside a node). Each sender's link carries its share once per replica."""
     lay, links = u.lay, u.links
     T = lay.n_senders
-    plan = BucketPlan(u.sending, u.bucket_size, T)
+    plan = u.shards.bucket_plan(u.sending, u.bucket_size, T)
     u.buckets = len(plan)
     u.sent = [sum(b.wire_bytes for b in plan.owned_by(s)) * u.scale for s in range(T)]
     for s in range(T):
