@@ -31,8 +31,8 @@ ANCHORS = [
 
 def main() -> None:
     print("| anchor | published s | layout | weightbus, best backend | floor s | ratio | nccl broadcast | "
-          "nixl | bottleneck | planned in |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "nixl | sharded direct | sharded relayed | bottleneck | planned in |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, published, model, kind, nodes, lay, fp8, why in ANCHORS:
         t0 = time.perf_counter()
         preds = plan(cluster(kind, nodes), lay, manifest_of(model_shapes(model), fp8=fp8), fp8=fp8)
@@ -41,8 +41,18 @@ def main() -> None:
         best = preds[0]
         print(f"| {name} | {published} | {lay.trainers} -> {lay.replicas} x {lay.rollout_gpus} "
               f"({why}) | {best.seconds:.2f} s ({best.backend}) | {best.floor_s:.2f} | {best.ratio:.2f}x | "
-              f"{by['nccl'].seconds:.2f} s | {by['nixl'].seconds:.2f} s | {best.bottleneck} | {took:.0f} s |",
+              f"{by['nccl'].seconds:.2f} s | {by['nixl'].seconds:.2f} s | {by['sharded'].seconds:.2f} s | "
+              f"{relayed(by)} | {best.bottleneck} | {took:.0f} s |",
               flush=True)
+
+
+def relayed(by: dict) -> str:
+    """The relayed sharded schedule's time and fan-out (one replica: nothing to relay)."""
+    p = by.get("sharded-relay")
+    if p is None:
+        return "-"
+    k = next((n.split()[0] for n in p.notes if n.startswith("relay=")), "")
+    return f"{p.seconds:.2f} s ({k})"
 
 
 if __name__ == "__main__":
