@@ -8,10 +8,10 @@ import re
 import signal
 import time
 
+import torch.multiprocessing as mp
 import workers_faults
 
 from weightbus.packing import buffers
-from weightbus.runtime.group import process_context
 
 DEADLINE = 2.5
 #: how a survivor's error names the phase it lost its peer in
@@ -52,7 +52,9 @@ def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bo
               sharded: bool = False) -> tuple[dict, list]:
     """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
     survivor's report (each must report), and the processes (all ended)."""
-    ctx = process_context()  # (forked from the suite's server where it has one: no torch import each)
+    # (spawned, not forked from the suite's server: with 2.5 s deadlines, forked workers that
+    # all start at once on a loaded 2-core host missed the first update's formation in CI)
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = (port, backend, lost, phase, how, DEADLINE, out)
     procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args),
