@@ -110,7 +110,10 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
     store = dist.PrefixStore(prefix, store)
     try:
         if backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, size, as_timedelta(timeout))
+            return _bounded(lambda: dist.ProcessGroupGloo(store, rank, size, as_timedelta(timeout)),
+                            timeout * 1.5 + 1.0, f"{where}: forming gloo group {prefix!r} (rank {rank} of "
+                            f"{size}) did not finish within {timeout * 1.5 + 1.0:.0f}s: the rendezvous store "
+                            f"stopped answering (its owner stopped or hung?)")
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = as_timedelta(timeout)
@@ -136,6 +139,29 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
         raise WeightSyncError(f"{where}: forming {backend} group {prefix!r} "
                               f"(rank {rank} of {size}) failed within {timeout:.0f}s: {e}") from e
     raise WeightSyncError(f"{where}: unknown process-group backend {backend!r}")
+
+
+def _bounded(make: Any, seconds: float, late: str) -> Any:
+    """``make()`` on a daemon thread, waited for at most ``seconds``: gloo's rendezvous
+    bounds its store waits by its timeout, but not a store read whose server stopped
+    answering mid-reply (a stopped or hung owner), which would block this rank forever.
+    Past the bound, ``late`` is raised (the thread is left behind, blocked in that read)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(make())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+
+    t = threading.Thread(target=run, name="wb-form-group", daemon=True)
+    t.start()
+    t.join(seconds)
+    if not box:
+        raise WeightSyncError(late)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> Any:
