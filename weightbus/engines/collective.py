@@ -116,12 +116,9 @@ class CollectiveEngine(BucketEngine):
             common["sharded"] = True
         relays = {r: m.get("relay", 0) for r, m in enumerate(metadata)}
         if len(set(relays.values())) > 1:
-            by: dict[int, list[int]] = {}
-            for r, v in relays.items():
-                by.setdefault(v, []).append(r)
             raise PlanError("the ranks state different relay values ("
                             + "; ".join(f"relay={v} on rank(s) {', '.join(map(str, rs))}"
-                                        for v, rs in by.items())
+                                        for v, rs in _ranks_by_value(relays).items())
                             + "): give every engine of the group the same one")
         if relays and relays[0]:
             common["relay"] = relays[0]
@@ -285,6 +282,15 @@ def _slot_of(b: Bucket | ShardBucket, num_buffers: int) -> int:
     return (b.seq if isinstance(b, ShardBucket) else b.index) % num_buffers
 
 
+def _ranks_by_value(said: dict[int, Any]) -> dict[Any, list[int]]:
+    """Rank -> value, turned into value -> the ranks that state it (for errors that name who
+    disagrees)."""
+    by: dict[Any, list[int]] = {}
+    for r, v in said.items():
+        by.setdefault(v, []).append(r)
+    return by
+
+
 def _check_nccl_cumem(metadata: list[dict[str, Any]]) -> None:
     """NCCL's peers must agree on ``NCCL_CUMEM_ENABLE`` (how they map each other's buffers):
     ranks that differ hang while the communicator forms. Inference engines set it in their
@@ -292,11 +298,8 @@ def _check_nccl_cumem(metadata: list[dict[str, Any]]) -> None:
     who holds which value, before any group forms."""
     said = {r: m["nccl_cumem"] for r, m in enumerate(metadata) if "nccl_cumem" in m}
     if len(set(said.values())) > 1:
-        by: dict[str, list[int]] = {}
-        for r, v in said.items():
-            by.setdefault(v, []).append(r)
         raise PlanError("NCCL_CUMEM_ENABLE differs between the ranks of the nccl group ("
                         + "; ".join(f"{v!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                                    for v, r in by.items())
+                                    for v, r in _ranks_by_value(said).items())
                         + "): NCCL hangs while forming such a group; set the same value in every process "
                           "(SGLang and vLLM run with NCCL_CUMEM_ENABLE=0: export it for the trainer too)")
