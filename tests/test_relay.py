@@ -56,7 +56,7 @@ def test_relayed_shards_land_bitwise_at_every_update(port, T, relay):
     """3 replicas of TP=2 (6 rollout ranks): a chain (relay=1) or a tree (relay=2); 3
     updates with every element changing; buckets of 4 KiB, so each shard spans several."""
     replicas, steps = 3, 3
-    out = spawn(ws.relay_run, T + P * replicas, (T, P, replicas, port, steps, 4096, relay), timeout=240)
+    out = spawn(ws.run, T + P * replicas, (T, P, port, steps, 4096, False, replicas, relay), timeout=240)
     for q in range(P * replicas):
         got = out[T + q]
         assert got["wrong"] == [], (q, got["wrong"])

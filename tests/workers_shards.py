@@ -68,20 +68,23 @@ def expected(step: int, r: int, R: int) -> dict[str, torch.Tensor]:
     return want
 
 
-def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: bool = False) -> dict:
-    """``move``: after each update, the rollout moves some destinations' memory under the
-    same tensor objects (``set_``, as ``param.data = ...`` or a reallocating module does)."""
+def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: bool = False,
+        replicas: int = 1, relay: int = 0) -> dict:
+    """``R`` TP ranks in each of ``replicas`` replicas (rollout rank q is TP rank q % R of
+    replica q // R), every engine made with ``relay``. ``move``: after each update, the
+    rollout moves some destinations' memory under the same tensor objects (``set_``, as
+    ``param.data = ...`` or a reallocating module does)."""
     torch.set_num_threads(1)
-    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
     engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
-                                          bucket_size=bucket, timeout=30)
-    r = rank - T
+                                          bucket_size=bucket, timeout=30, relay=relay)
+    r = (rank - T) % R
     if not trainer:
         params = rollout_params(r, R)
         engine.set_shard_destinations(placements(params, r, R))
-    connect(engine, rdv, T, R)
-    out: dict = {"stats": []}
+    connect(engine, rdv, T, R * replicas)
+    out: dict = {"stats": [], "wrong": []}
     for step in range(1, steps + 1):
         if trainer:
             stats = asyncio.run(engine.send_weights(ModuleSource(weights(step)), version=step))
@@ -91,7 +94,6 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: boo
             whole = asyncio.run(take())
             stats = engine.last_stats
             want = expected(step, r, R)
-            out.setdefault("wrong", [])
             out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
             out["whole"] = sorted(whole)
             if not torch.equal(whole["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
@@ -295,39 +297,6 @@ class PlainTrainer(WeightbusWorker):
 
 
 # ------------------------------------------------------------------ relay between replicas
-
-def relay_run(rank: int, T: int, P: int, replicas: int, port: int, steps: int, bucket: int,
-              relay: int) -> dict:
-    """T trainer ranks; ``replicas`` replicas of P tensor-parallel ranks each (rollout rank
-    q is TP rank q % P of replica q // P), every engine made with ``relay``."""
-    torch.set_num_threads(1)
-    R = P * replicas
-    rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
-    trainer = rank < T
-    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
-                                          bucket_size=bucket, timeout=30, relay=relay)
-    tp = (rank - T) % P
-    if not trainer:
-        params = rollout_params(tp, P)
-        engine.set_shard_destinations(placements(params, tp, P))
-    connect(engine, rdv, T, R)
-    out: dict = {"stats": [], "wrong": []}
-    for step in range(1, steps + 1):
-        if trainer:
-            stats = asyncio.run(engine.send_weights(ModuleSource(weights(step)), version=step))
-        else:
-            async def take():
-                return {n: t.clone() async for n, t in engine.receive_weights()}
-            whole = asyncio.run(take())
-            stats = engine.last_stats
-            want = expected(step, tp, P)
-            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
-            if not torch.equal(whole["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
-                out["wrong"].append(f"{step}:rotary.inv_freq")
-        out["stats"].append(stats.to_dict())
-    engine.finalize(destroy_group=True)
-    return out
-
 
 class ToyTrainer(WeightbusWorker):
     """The toy block's weights, changed by every ``train_step``."""
