@@ -265,7 +265,11 @@ def test_a_relay_node_dying_mid_update_is_named_and_the_others_go_on():
         assert time.monotonic() - t0 < timeout * 1.5 + 5
         assert re.search(r"end rank 0 raised .*relayed: .*receive bucket \d+ from rollout rank 1 \(relay\)",
                          str(info.value)), str(info.value)
-        assert info.value.versions["tail"] is None and info.value.versions["end"] is None
+        # (whether a bucket ``mid`` forwarded reached ``tail`` before it died is a race: a
+        # rank that wrote none of version 2 still holds version 1 whole, and says so)
+        for g in (tail, end):
+            v = info.value.versions[g.name]
+            assert v is None or (v == 1 and call(g, "wrong", 1, timeout=30) == [[]]), (g.name, v)
         mgr.remove_replicas([mid])
         mid.shutdown(timeout=1)
         call(trainer, "train_step", 3, timeout=30)
