@@ -69,23 +69,28 @@ def test_bench_sharded_row_cpu():
                                 rollout_tp=2))
     assert row["verified"] and row["scenario"] == "disagg gloo 1->2 TP" and row["sharded_s"] > 0
     assert all(b < 0.6 * row["bytes"] for b in row["shard_bytes"]), row["shard_bytes"]
-    assert "sharded TP=2" in format_table([row])
+    assert row["sharded_floor_s"] > 0 and row["sharded_ratio"] == row["sharded_s"] / row["sharded_floor_s"]
+    assert "sharded TP=2" in format_table([row]) and "floor" in format_table([row])
     with pytest.raises(ValueError, match="rollout_tp= applies to the disaggregated scenario"):
         BenchConfig(scenario="colocated", preset="tiny", gpu=False, rollout_tp=2)
-    with pytest.raises(ValueError, match="rollout_tp must be an int >= 2"):
-        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=1)
+    with pytest.raises(ValueError, match="rollout_tp must be an int >= 1"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=0)
     with pytest.raises(ValueError, match="receivers=3 disagrees"):
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=2, receivers=3)
 
 
 def test_bench_relayed_row_cpu():
-    """``--rollout-tp 2 --replicas 2 --relay 1``: the sharded update to 2 replicas timed
-    direct and relayed, every rank verified both ways, the trainer sending half the bytes."""
+    """``--rollout-tp 1 --replicas 3 --relay 1``: the update to 3 single-rank replicas timed
+    broadcast, sharded direct and relayed, each with its floor (the trainer's bytes sent
+    point to point), every rank verified each way, the relaying trainer sending a third."""
     row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=1, gpu=False, timeout=120,
-                                rollout_tp=2, replicas=2, relay=1))
-    assert row["verified"] and row["scenario"] == "disagg gloo 1->4 TPx2" and row["relayed_s"] > 0
-    assert row["relay_sent_fraction"] == pytest.approx(0.5, abs=0.01)
-    assert "relayed relay=1" in format_table([row])
+                                rollout_tp=1, replicas=3, relay=1))
+    assert row["verified"] and row["scenario"] == "disagg gloo 1->3 TPx3" and row["relayed_s"] > 0
+    assert row["shard_bytes"] == [row["bytes"]] * 3  # (TP=1: each replica holds the whole model)
+    assert row["relay_sent_fraction"] == pytest.approx(1 / 3, abs=0.01)
+    assert row["relayed_floor_s"] > 0 and row["sharded_floor_s"] > 0
+    text = format_table([row])
+    assert "relayed relay=1" in text and "sharded TP=1 x3" in text and "target" not in text
     with pytest.raises(ValueError, match="replicas= and relay= apply to sharded rows"):
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, relay=1)
     with pytest.raises(ValueError, match="relay must be an int >= 1"):

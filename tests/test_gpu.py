@@ -224,3 +224,20 @@ def test_delta_gloo_cuda_tensors_bitwise(port):
 @needs_2gpu
 def test_delta_nccl_two_gpus_bitwise(port):
     _check_delta(port, "nccl")
+
+
+@pytest.mark.parametrize("relay", [0, 1, 2])
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_sharded_nccl_to_three_replicas_direct_chain_and_tree(port, relay):
+    """One trainer GPU to 3 replicas of one GPU each over NCCL: each replica fed by the
+    trainer (relay=0), or relayed from replica to replica (a chain, relay=1; a tree,
+    relay=2); 3 updates with every element changing, bitwise on every rank, the relaying
+    trainer sending one replica's bytes."""
+    import workers_shards as ws
+    steps = 3
+    out = spawn(ws.run, 4, (1, 1, port, steps, 4096, False, 3, relay, "nccl"), timeout=240)
+    for q in range(3):
+        assert out[1 + q]["wrong"] == [], (q, out[1 + q]["wrong"])
+    sent = out[0]["stats"][-1]["wire_bytes"]
+    one = out[1]["stats"][-1]["wire_bytes"]
+    assert sent == (one if relay else 3 * one), (sent, one)

@@ -69,34 +69,38 @@ def expected(step: int, r: int, R: int) -> dict[str, torch.Tensor]:
 
 
 def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: bool = False,
-        replicas: int = 1, relay: int = 0) -> dict:
+        replicas: int = 1, relay: int = 0, backend: str = "gloo") -> dict:
     """``R`` TP ranks in each of ``replicas`` replicas (rollout rank q is TP rank q % R of
     replica q // R), every engine made with ``relay``. ``move``: after each update, the
     rollout moves some destinations' memory under the same tensor objects (``set_``, as
-    ``param.data = ...`` or a reallocating module does)."""
+    ``param.data = ...`` or a reallocating module does). ``backend`` "nccl": every rank's
+    weights on its own GPU (cuda:rank)."""
     torch.set_num_threads(1)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
-    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
-                                          bucket_size=bucket, timeout=30, relay=relay)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    engine = CheckpointEngineRegistry.new(backend, role="trainer" if trainer else "rollout",
+                                          bucket_size=bucket, timeout=30, relay=relay,
+                                          **({"device": dev} if backend == "nccl" else {}))
     r = (rank - T) % R
     if not trainer:
-        params = rollout_params(r, R)
+        params = {n: t.to(dev) for n, t in rollout_params(r, R).items()}
         engine.set_shard_destinations(placements(params, r, R))
     connect(engine, rdv, T, R * replicas)
     out: dict = {"stats": [], "wrong": []}
     for step in range(1, steps + 1):
         if trainer:
-            stats = asyncio.run(engine.send_weights(ModuleSource(weights(step)), version=step))
+            mine = {n: t.to(dev) for n, t in weights(step).items()}
+            stats = asyncio.run(engine.send_weights(ModuleSource(mine), version=step))
         else:
             async def take():
                 return {n: t.clone() async for n, t in engine.receive_weights()}
             whole = asyncio.run(take())
             stats = engine.last_stats
             want = expected(step, r, R)
-            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
+            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t.cpu(), want[n])]
             out["whole"] = sorted(whole)
-            if not torch.equal(whole["rotary.inv_freq"], weights(step)["rotary.inv_freq"]):
+            if not torch.equal(whole["rotary.inv_freq"].cpu(), weights(step)["rotary.inv_freq"]):
                 out["wrong"].append(f"{step}:rotary.inv_freq")
             if move:
                 for n in ("norm.weight", "up.weight", "experts.w"):

@@ -55,6 +55,11 @@ class CollectiveEngine(BucketEngine):
         self._from: dict[int, int | None] = {}  # slot -> the relay rank it receives from
         self._slots: list[torch.Tensor] = []
         self._data: dict[int, Any] = {}  # trainer rank -> data group
+        # relay: the rollout ranks' own group, for the odd hops of a relay tree (a member
+        # receives over one group and forwards over the other: one group's point-to-point
+        # operations share one NCCL stream, which would run a member's receive and its
+        # forwards one after the other)
+        self._relay_pg: Any = None
         self._inflight: dict[int, Any] = {}  # slot -> work of the last transfer through it
         self._held: dict[int, int] = {}  # slot -> the bucket it last sent (for errors)
         self._formed = 0  # how many times a group was formed under _formed_token
@@ -163,6 +168,9 @@ class CollectiveEngine(BucketEngine):
             member = 0 if rank < T else 1 + rank - T
             self._data[i] = comm.new_group(self.pg_backend, store, f"{prefix}/data{i}", member,
                                            1 + R, self.timeout, self.device, self.where())
+        if relay and R > 1 and rank >= T:
+            self._relay_pg = comm.new_group(self.pg_backend, store, f"{prefix}/relay", rank - T, R,
+                                            self.timeout, self.device, self.where())
         self._broken = None
         self._peers_fingerprint = None
 
@@ -171,13 +179,14 @@ class CollectiveEngine(BucketEngine):
         self.init_process_group(**kwargs)
 
     def _drop_groups(self) -> None:
-        for pg in [self._ctl, *self._data.values()]:
+        for pg in [self._ctl, *self._data.values(), self._relay_pg]:
             if pg is not None and hasattr(pg, "abort") and self._broken:
                 try:
                     pg.abort()
                 except Exception:  # noqa: BLE001 - already failed; nothing more to do
                     pass
         self._ctl, self._data, self._inflight, self._relaying = None, {}, {}, {}
+        self._relay_pg = None
 
     def finalize(self, destroy_group: bool = False) -> None:
         self._wait_all("finalize")
@@ -229,16 +238,22 @@ class CollectiveEngine(BucketEngine):
     def _flush_send(self, plan: BucketPlan) -> None:
         self._wait_all("send (flush)")
 
-    def _post_recv(self, b: Bucket | ShardBucket, src: int | None = None) -> None:
-        """``src``: the rollout rank that relays ``b`` here (None: its trainer sends it)."""
+    def _hop(self, b: ShardBucket, peer: int, hop: int) -> tuple[Any, int]:
+        """The group and the member that a relay hop into depth ``hop`` goes over: odd hops
+        over the rollout ranks' relay group, even ones over the bucket's data group."""
+        return (self._relay_pg, peer) if hop % 2 else (self._data[b.owner], 1 + peer)
+
+    def _post_recv(self, b: Bucket | ShardBucket, src: int | None = None, hop: int = 0) -> None:
+        """``src``: the rollout rank that relays ``b`` here (None: its trainer sends it),
+        ``hop``: this rank's depth in its relay tree."""
         self._allocate()
         s = _slot_of(b, self.num_buffers)
         for work in self._relaying.pop(s, ()):  # (the slot's last bucket has left for the children)
             self._wait(work, f"relay onward (before slot {s} takes bucket {b.index})")
         try:
             if isinstance(b, ShardBucket):
-                peer = 0 if src is None else 1 + src
-                self._inflight[s] = self._data[b.owner].recv([self._slots[s][: b.wire_bytes]], peer, 0)
+                pg, peer = (self._data[b.owner], 0) if src is None else self._hop(b, src, hop)
+                self._inflight[s] = pg.recv([self._slots[s][: b.wire_bytes]], peer, 0)
             else:
                 self._inflight[s] = comm.broadcast(self._data[b.owner], self._slots[s][: b.wire_bytes], 0)
         except Exception as e:  # noqa: BLE001
@@ -251,12 +266,14 @@ class CollectiveEngine(BucketEngine):
         self._wait(work, f"receive bucket {b.index} from {_whence(b, self._from.get(s))}")
         return self._slots[s]
 
-    def _forward(self, b: ShardBucket, slot: torch.Tensor, to: int, abort: bool = False) -> None:
-        """Relay: start passing received bucket ``b`` on to rollout rank ``to`` (the slot
-        is reused only once this has left: ``_post_recv``). ``abort``: an abort notice in
-        a scratch buffer, sent after this rank's own transfers failed."""
+    def _forward(self, b: ShardBucket, slot: torch.Tensor, to: int, hop: int = 1,
+                 abort: bool = False) -> None:
+        """Relay: start passing received bucket ``b`` on to rollout rank ``to``, at depth
+        ``hop`` (the slot is reused only once this has left: ``_post_recv``). ``abort``: an
+        abort notice in a scratch buffer, sent after this rank's own transfers failed."""
         try:
-            work = self._data[b.owner].send([slot[: b.wire_bytes]], 1 + to, 0)
+            pg, peer = self._hop(b, to, hop)
+            work = pg.send([slot[: b.wire_bytes]], peer, 0)
         except Exception as e:  # noqa: BLE001
             raise self._fail(f"relay bucket {b.index} to rollout rank {to}", e) from e
         key = -1 if abort else _slot_of(b, self.num_buffers)

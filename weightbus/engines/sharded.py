@@ -24,8 +24,10 @@ in its place, so the ranks below hear why at once, not at their deadline.
 
 A transport supports it with point-to-point hooks: ``_send`` and ``_post_recv`` /
 ``_wait_recv`` given a :class:`~weightbus.packing.shards.ShardBucket` (``owner`` -> ``receiver``);
-for relay, ``_post_recv(b, src=rollout rank)``, ``_forward(b, slot, to)`` and
-``_flush_forward()``.
+for relay, ``_post_recv(b, src=rollout rank, hop=d)``, ``_forward(b, slot, to, hop=d + 1)``
+and ``_flush_forward()``, where ``d`` is the receiving rank's depth in its tree (a transport
+may carry alternate hops over separate channels, so that a member's receive from its parent
+and its forwards to its children run at once).
 """
 
 from __future__ import annotations
@@ -356,6 +358,7 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
     layout = engine._layouts[r] if plan is not None else None
     src = plan.relay_from[r] if plan is not None else None
     children = plan.relay_to[r] if plan is not None else ()
+    hop = plan.depth_of(r) if plan is not None else 0
     places = _Places(engine, layout, manifest)
     closed = False
     wire = 0
@@ -363,11 +366,11 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
     forwarded = 0  # (buckets passed on to the children)
     try:
         for b in mine[:nb]:
-            engine._post_recv(b, src=src)  # type: ignore[arg-type]
+            engine._post_recv(b, src=src, hop=hop)  # type: ignore[arg-type]
         for b in mine:
             slot = engine._wait_recv(b)  # type: ignore[arg-type]
             for q in children:  # (before unpacking: the next hop starts at once)
-                engine._forward(b, slot, q)
+                engine._forward(b, slot, q, hop=hop + 1)
             forwarded += 1
             wire += b.wire_bytes
             status, msg = buffers.check_trailer(slot, b, version, engine.where())  # type: ignore[arg-type]
@@ -391,16 +394,16 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
                         error = (f"{engine.where()}: {engine._stopped()} at tensor {done[0][0]!r}; "
                                  f"the update is incomplete")
             if b.seq + nb < len(mine):
-                engine._post_recv(mine[b.seq + nb], src=src)  # type: ignore[arg-type]
+                engine._post_recv(mine[b.seq + nb], src=src, hop=hop)  # type: ignore[arg-type]
         if children:
             engine._flush_forward()
     except TransferFailed as e:
         error = error or str(e)
         if children:
-            _abort_children(engine, mine[forwarded:], children, version, error)
+            _abort_children(engine, mine[forwarded:], children, hop + 1, version, error)
     except WeightSyncError as e:  # this rank's group broke: the ranks below hear it, then it raises
         if children:
-            _abort_children(engine, mine[forwarded:], children, version, str(e))
+            _abort_children(engine, mine[forwarded:], children, hop + 1, version, str(e))
         raise
     engine._sharded_got = (plan.bytes_for(r), plan.fallbacks[r]) if plan is not None else None
     try:
@@ -409,8 +412,8 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
         engine._sharded_got = None
 
 
-def _abort_children(engine: BucketEngine, rest: Sequence[ShardBucket], children: Sequence[int], version: int,
-                    error: str) -> None:
+def _abort_children(engine: BucketEngine, rest: Sequence[ShardBucket], children: Sequence[int], hop: int,
+                    version: int, error: str) -> None:
     """This relay member's transfers failed before ``rest[0]``: its children get an abort
     notice for every bucket they still wait for from it, naming why (best effort: a child
     this rank cannot reach either fails at its own deadline)."""
@@ -420,7 +423,7 @@ def _abort_children(engine: BucketEngine, rest: Sequence[ShardBucket], children:
             buffers.write_trailer(notice, b, version, buffers.STATUS_ABORT,  # type: ignore[arg-type]
                                   f"relayed: {error}")
             for q in children:
-                engine._forward(b, notice, q, abort=True)
+                engine._forward(b, notice, q, hop=hop, abort=True)
             engine._flush_forward(abort=True)
     except Exception:  # noqa: BLE001 - already failing; the children's deadline remains
         pass

@@ -331,12 +331,17 @@ class ShardPlan:
             receiver = up
         return receiver
 
+    def depth_of(self, receiver: int) -> int:
+        """Hops from ``receiver``'s root down to it (0: the senders feed it)."""
+        d = 0
+        while (up := self.relay_from[receiver]) is not None:
+            receiver, d = up, d + 1
+        return d
+
     @property
     def relay_depth(self) -> int:
         """Hops of the longest relay path (0: every rank is fed by the senders)."""
-        def depth(r: int) -> int:
-            return 0 if self.relay_from[r] is None else 1 + depth(self.relay_from[r])  # type: ignore[arg-type]
-        return max((depth(r) for r in range(len(self.relay_from))), default=0)
+        return max((self.depth_of(r) for r in range(len(self.relay_from))), default=0)
 
     def sent_by(self, sender: int) -> list[ShardBucket]:
         return self._sent[sender]

@@ -106,8 +106,8 @@ class BenchConfig:
             raise ValueError(f"receivers must be an int >= 1, got {self.receivers!r}")
         tp = self.rollout_tp
         if tp is not None:
-            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
-                raise ValueError(f"rollout_tp must be an int >= 2 (TP ranks of the replica), got {tp!r}")
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ValueError(f"rollout_tp must be an int >= 1 (TP ranks of each replica), got {tp!r}")
             if self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl"):
                 raise ValueError("rollout_tp= applies to the disaggregated scenario over gloo or nccl "
                                  "(sharded receive is point to point over their groups)")
@@ -272,16 +272,17 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
 
 
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
-             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None, sharded: Any = None,
-             relayed: Any = None) -> tuple[dict[str, list[float]], int]:
+             floor: Any, weightbus: Any, naive: Any = None, delta: Any = None,
+             more: dict[str, Any] | None = None) -> tuple[dict[str, list[float]], int]:
     """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
-    rounds of (change the weights, floor, [naive], weightbus). Returns the times and the
-    transient device memory of the weightbus calls at their peak."""
+    rounds of (change the weights, floor, [naive], weightbus, [delta], then each of
+    ``more`` in order: name -> call). Returns the times and the transient device memory
+    of the weightbus calls at their peak."""
     if naive is not None and len(cfg.shapes()) > NAIVE_MAX_TENSORS:
         naive = None  # a collective per tensor would take minutes per round
+    more = more or {}
     times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {}) \
-        | ({"delta": []} if delta is not None else {}) | ({"sharded": []} if sharded is not None else {}) \
-        | ({"relayed": []} if relayed is not None else {})
+        | ({"delta": []} if delta is not None else {}) | {k: [] for k in more}
     peak = 0
     for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
         mutate()
@@ -294,10 +295,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
             got["delta"], delta_peak = _timed_peak(rdv, device, delta)
             if it:  # (the warm-up round allocates the snapshots, counted apart)
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
-        if sharded is not None:
-            got["sharded"] = _timed(rdv, device, sharded)
-        if relayed is not None:
-            got["relayed"] = _timed(rdv, device, relayed)
+        for k, fn in more.items():
+            got[k] = _timed(rdv, device, fn)
         if it:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
@@ -322,6 +321,30 @@ def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]
             works.append(comm.broadcast(groups[b.owner], slots[b.index % 2][: b.wire_bytes], 0))
     for w in works:
         w.wait()
+
+
+def raw_sends(group: Any, rank: int, counts: list[int], chunk: int, slots: list[torch.Tensor]) -> None:
+    """The floor of sharded receive: group rank 0 sends receiver ``i`` (group rank
+    ``1 + i``) its ``counts[i]`` bytes point to point in chunks of ``chunk`` (a bucket),
+    the receivers taken in turn, two chunks in flight per receiver, with no packing,
+    unpacking, relay or checks. A relayed update's floor is the same call with the bytes
+    the senders send (to the first replica only): forwarding adds hops, not bytes on the
+    senders' link."""
+    pieces = [[(lo, min(chunk, c - lo)) for lo in range(0, c, chunk)] for c in counts]
+    if rank != 0:
+        pieces, counts = [pieces[rank - 1]], [counts[rank - 1]]
+    works: list[list[Any]] = [[] for _ in pieces]
+    for j in range(max((len(p) for p in pieces), default=0)):
+        for i, mine in enumerate(pieces):
+            if j >= len(mine):
+                continue
+            if len(works[i]) >= 2:
+                works[i].pop(0).wait()
+            buf = slots[j % 2][: mine[j][1]]
+            works[i].append(group.send([buf], 1 + i, 0) if rank == 0 else group.recv([buf], 0, 0))
+    for w in works:
+        for x in w:
+            x.wait()
 
 
 def raw_nixl(engine: CheckpointEngine, plan: Any) -> None:
@@ -471,6 +494,15 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         shard_engine, shards, shard_fn = sharded_engine(0)
         if cfg.relay:
             relay_engine, relayed, relay_fn = sharded_engine(cfg.relay)
+        # each receiver's bytes (its boxes of every tensor), for the floors: every receiver
+        # fed from the trainer (direct), or the first replica's only (relayed)
+        counts = [sum(_tp_box(s, r % cfg.rollout_tp, cfg.rollout_tp).numel for _, s in cfg.shapes())
+                  * WIRE.itemsize for r in range(cfg.receivers)]
+        chunk = shard_engine.bucket_size
+        p2p_slots = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(2)]
+        sharded_floor = lambda: raw_sends(group, rank, counts, chunk, p2p_slots)  # noqa: E731
+        roots = counts[:cfg.rollout_tp] + [0] * (cfg.receivers - cfg.rollout_tp)
+        relayed_floor = lambda: raw_sends(group, rank, roots, chunk, p2p_slots)  # noqa: E731
 
     def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
@@ -491,8 +523,13 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         def mutate() -> None:
             if trainer:
                 _mutate(weights)
+    more = {}
+    if shard_fn is not None:
+        more.update(sharded_floor=sharded_floor, sharded=shard_fn)
+    if relay_fn is not None:
+        more.update(relayed_floor=relayed_floor, relayed=relay_fn)
     times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
-                           delta_fn, shard_fn, relay_fn)
+                           delta_fn, more)
     check = _checksums({n: t for n, t in weights.items()})
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
@@ -690,14 +727,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     }
     if cfg.rollout_tp:
         got = [r["shard_bytes"] for r in rollouts]
-        row.update(rollout_tp=cfg.rollout_tp, sharded_s=med["sharded"], shard_bytes=got,
-                   sharded_vs_broadcast=med["sharded"] / med["weightbus"],
+        row.update(rollout_tp=cfg.rollout_tp, replicas=cfg.replicas, sharded_s=med["sharded"],
+                   shard_bytes=got, sharded_vs_broadcast=med["sharded"] / med["weightbus"],
+                   sharded_floor_s=med["sharded_floor"], sharded_ratio=med["sharded"] / med["sharded_floor"],
                    verified=verified and all(
                        r["shard_checksums"] == trainer["shard_checksums"][i % cfg.rollout_tp]
                        for i, r in enumerate(rollouts)))
         if cfg.relay:
-            row.update(replicas=cfg.replicas, relay=cfg.relay, relayed_s=med["relayed"],
+            row.update(relay=cfg.relay, relayed_s=med["relayed"],
                        relayed_vs_sharded=med["relayed"] / med["sharded"],
+                       relayed_vs_broadcast=med["relayed"] / med["weightbus"],
+                       relayed_floor_s=med["relayed_floor"],
+                       relayed_ratio=med["relayed"] / med["relayed_floor"],
                        relay_sent_fraction=trainer["relay_wire"] / max(1, trainer["sharded_wire"]))
     if cfg.delta is not None:
         row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
@@ -729,14 +770,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{'OK' if r['verified'] else 'MISMATCH'}")
         if r.get("sharded_s") is not None:
             tp = r["rollout_tp"]
-            lines.append(f"{'  sharded TP=' + str(tp):<33} {r['sharded_s'] * 1e3:9.1f} ms = "
-                         f"{r['sharded_vs_broadcast']:.2f}x the broadcast row (target <= {1.1 / tp:.2f}x); "
-                         f"received per rank " + ", ".join(f"{b / 1e6:.1f} MB" for b in r["shard_bytes"])
+            reps = r.get("replicas", 1)
+            # (one replica of TP ranks: each rank gets 1/tp of the bytes, so <= 1.1/tp of the broadcast)
+            target = f" (target <= {1.1 / tp:.2f}x)" if reps == 1 and tp > 1 else ""
+            floor = (f"; floor {r['sharded_floor_s'] * 1e3:.1f} ms ({r['sharded_ratio']:.2f}x)"
+                     if r.get("sharded_floor_s") else "")
+            lines.append(f"{'  sharded TP=' + str(tp) + (f' x{reps}' if reps > 1 else ''):<33} "
+                         f"{r['sharded_s'] * 1e3:9.1f} ms = {r['sharded_vs_broadcast']:.2f}x the broadcast "
+                         f"row{target}{floor}; received per rank "
+                         + ", ".join(f"{b / 1e6:.1f} MB" for b in r["shard_bytes"])
                          + f" of {r['bytes'] / 1e6:.1f} MB")
         if r.get("relayed_s") is not None:
+            floor = (f"; floor {r['relayed_floor_s'] * 1e3:.1f} ms ({r['relayed_ratio']:.2f}x)"
+                     if r.get("relayed_floor_s") else "")
             lines.append(f"{'  relayed relay=' + str(r['relay']):<33} {r['relayed_s'] * 1e3:9.1f} ms = "
-                         f"{r['relayed_vs_sharded']:.2f}x the sharded row, {r['replicas']} replicas; the "
-                         f"trainer sent {r['relay_sent_fraction']:.2f}x the sharded row's bytes")
+                         f"{r['relayed_vs_sharded']:.2f}x the sharded row, "
+                         f"{r.get('relayed_vs_broadcast', 0):.2f}x the broadcast row, "
+                         f"{r['replicas']} replicas{floor}; the trainer sent "
+                         f"{r['relay_sent_fraction']:.2f}x the sharded row's bytes")
         if r.get("delta_s") is not None:
             lines.append(f"{'  delta ' + format(r['delta_fraction'], '.1%') + ' changed':<33} wire "
                          f"{r['delta_wire_fraction']:6.1%} of dense {r['delta_s'] * 1e3:9.1f} ms = "

@@ -471,7 +471,7 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
                    help="--scenario disaggregated (chosen by it): each round change this fraction of the "
                         "trainer's elements (one bf16 step each) and time a delta-mode update next to "
                         "the dense one")
-    b.add_argument("--rollout-tp", type=_int(2, 64, what=" (TP ranks of the rollout replica)"), metavar="N",
+    b.add_argument("--rollout-tp", type=_int(1, 64, what=" (TP ranks of each rollout replica)"), metavar="N",
                    help="--scenario disaggregated (chosen by it): the receivers are the N tensor-parallel "
                         "ranks of one replica; also time a sharded update (each rank receives only its "
                         "rows) next to the broadcast, and print the bytes each rank received")
