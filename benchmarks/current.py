@@ -52,13 +52,18 @@ def _bench_rows(path: Path, data: list[dict]) -> list[list[str]]:
             cmd += f" --replicas {r['replicas']}" if r.get("replicas", 1) > 1 else ""
             cmd += f" --relay {r['relay']}" if r.get("relay") else ""
         what = f"{r['scenario']}, {r['preset']}, {r['tensors']:,} tensors"
-        floor, dev = f"{r['floor_s'] * 1e3:.1f} ms", r.get("device", "")
-        rows = [(what, r["weightbus_s"])]
+        dev = r.get("device", "")
+        # (a sharded or relayed row: its own floor where the bench measured one, the trainer's
+        # bytes sent raw point to point; older files have the broadcast's only)
+        rows = [(what, r["weightbus_s"], r["floor_s"])]
         if r.get("sharded_s"):
-            rows.append((f"{what}: sharded TP={r['rollout_tp']}", r["sharded_s"]))
+            rows.append((f"{what}: sharded TP={r['rollout_tp']}", r["sharded_s"],
+                         r.get("sharded_floor_s") or r["floor_s"]))
         if r.get("relayed_s"):
-            rows.append((f"{what}: sharded, relay={r['relay']}, {r['replicas']} replica(s)", r["relayed_s"]))
-        out += [[w, f"{t * 1e3:.1f} ms", floor, f"{t / r['floor_s']:.2f}x", dev, f"`{cmd}`"] for w, t in rows]
+            rows.append((f"{what}: sharded, relay={r['relay']}, {r['replicas']} replica(s)", r["relayed_s"],
+                         r.get("relayed_floor_s") or r["floor_s"]))
+        out += [[w, f"{t * 1e3:.1f} ms", f"{f * 1e3:.1f} ms", f"{t / f:.2f}x", dev, f"`{cmd}`"]
+                for w, t, f in rows]
     return out
 
 

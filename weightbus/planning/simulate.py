@@ -88,11 +88,12 @@ class Calibration:
     pcie_eff: float = 0.80
     #: colocated: per tensor, the bulk checks only (no per-tensor walk on either side)
     colocated_tensor_s: float = 0.055e-6
-    #: sharded receive: a piece's cost on its sender's host (its cut from the tensor, its
-    #: place in the bucket's multi-tensor copy), in series with nothing else the sender
-    #: does: 30b-a3b/24 at TP=3 on H100s, 28,305 pieces from one sender, took 196-204 ms
-    #: where its bytes take 88 ms on the link
-    piece_s: float = 6.9e-6
+    #: sharded receive: a piece's cost on its sender's host (its place in the bucket's
+    #: copy list, the views cut once per plan), in series with nothing else the sender
+    #: does: 30b-a3b/24 at TP=3 on 4 H100s, 28,305 pieces from one sender, took 98-100 ms
+    #: where its bytes take 84 ms sent point to point (it was 6.9e-6 while every piece was
+    #: cut anew at every update: 196-204 ms)
+    piece_s: float = 3.4e-6
 
 
 CALIBRATION = Calibration()
@@ -342,6 +343,7 @@ class _Update:
     num_buffers: int
     topology_kind: str
     links: _Links
+    relay: int | None = None  # sharded-relay's fan-out k (None: the least time of 1, 2, 4)
     parts: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     sent: list[float] = field(default_factory=list)  # bytes each sender sends
@@ -524,7 +526,7 @@ def _relay(u: _Update, pair: dict[tuple[int, int], float]) -> None:
     def cost(k: int) -> float:
         return max(senders, min(k, n - 1) * shard) / rate + depth(k) * (first / rate + lat)
 
-    k = min((1, 2, 4), key=lambda k: (cost(k), k))
+    k = u.relay or min((1, 2, 4), key=lambda k: (cost(k), k))
     for r in range(gpus):
         members = [lay.rollout_gpu(rep * gpus + r) for rep in range(n)]
         for j in range(1, n):
@@ -609,14 +611,17 @@ def _colocated(u: _Update, backend: str) -> None:
 def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucket_size: int = GiB,
              trainer_dtype: torch.dtype = torch.bfloat16, delta: float | None = None,
              verify_every: int = 1, fp8: bool = False, num_buffers: int = 2, topology_kind: str = "auto",
-             cal: Calibration = CALIBRATION, shards: Shards | None = None) -> Prediction:
+             cal: Calibration = CALIBRATION, shards: Shards | None = None,
+             relay: int | None = None) -> Prediction:
     """One update of ``manifest`` (as it travels: :func:`manifest_of`) by ``backend`` on
     cluster ``c`` laid out as ``lay``. ``trainer_dtype``: what the trainer holds (fp32 is
     cast into the buckets); ``delta``: the fraction of the elements that changed since the
     last update (a delta update then carries each sender's records, sized by the delta
     engine's own encoding rule, :func:`weightbus.engines.delta.record_bytes`), with the
     receivers' whole-destination check every ``verify_every`` updates (0: never);
-    ``fp8``: the manifest carries fp8 payloads the trainer quantizes first."""
+    ``fp8``: the manifest carries fp8 payloads the trainer quantizes first; ``relay``: for
+    ``sharded-relay``, the trees' fan-out k (the engines' ``relay=k``; None: the k of the
+    least time among 1, 2, 4)."""
     if backend not in _SCHEDULES:
         raise PlanError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend.startswith("colocated") and not lay.colocated:
@@ -631,6 +636,8 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
                            if backend.startswith("sharded") else ""))
     if verify_every < 0:
         raise PlanError(f"verify_every must be >= 0 (0: never), got {verify_every}")
+    if relay is not None and (isinstance(relay, bool) or not isinstance(relay, int) or relay < 1):
+        raise PlanError(f"relay must be None (the planner's pick) or an int >= 1 (1: a chain), got {relay!r}")
     lay.check(c)
     if shards is None or shards.manifest is not manifest or shards.gpus != lay.rollout_gpus:
         shards = Shards(manifest, lay.rollout_gpus)
@@ -639,7 +646,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
                 scale=delta_share(manifest, delta, lay.n_senders) if delta is not None else 1.0,
                 read_x=trainer_dtype.itemsize / 2 if not fp8 else 2.0,
                 small_x=cal.small_copy_x[0 if trainer_dtype.itemsize <= 2 else 1],
-                num_buffers=num_buffers, topology_kind=topology_kind, links=_Links(c, cal))
+                num_buffers=num_buffers, topology_kind=topology_kind, links=_Links(c, cal), relay=relay)
     _SCHEDULES[backend](u, backend)
     parts = u.parts
     link_s, where = u.links.busiest()
