@@ -1,14 +1,16 @@
 """The relay table (issue 54): rows of ``benchmarks/relay_gpu.sh`` (``weightbus bench``
 JSON) with the planner's prediction for each beside it.
 
-    python benchmarks/relay_table.py results/r8x1.json results/r8x2.json ... [--cluster h100]
+    python benchmarks/relay_table.py results/r8x1.json results/r8x2.json ... [--cluster h100] [--plot F]
 
 For every row (one trainer GPU to ``replicas`` replicas of ``rollout_tp`` GPUs): the broadcast,
 the sharded update fed by the trainer (direct) and, where measured, relayed between the
 replicas, each in ms with its floor measured in the same run (a raw broadcast of the bucket
 bytes; the trainer's bytes sent point to point) and the ratio, then the planner's prediction
 (:func:`weightbus.planning.simulate.simulate` on the bench's own layout and bucket size) and
-measured / predicted."""
+measured / predicted. ``--plot``: the fan-out curve of one preset (the first row's) as an
+SVG, ms against replicas: each update measured (solid) and as the planner predicts it
+(dashed), and the floors (grey)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 from weightbus.packing.shards import ShardLayout
 from weightbus.planning import presets
 from weightbus.planning.cluster import Layout, cluster
+from weightbus.planning.planner import lines_svg
 from weightbus.planning.simulate import Shards, manifest_of, simulate
 from weightbus.tools.bench import _tp_box
 
@@ -61,10 +64,37 @@ def table(rows: list[dict], cluster_name: str) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], cluster_name: str) -> str:
+    """The fan-out curve of the first row's preset (chains only: the planner's pick)."""
+    preset = rows[0]["preset"]
+    mine = sorted((r for r in rows if r["preset"] == preset and r.get("relay", 1) == 1),
+                  key=lambda r: r.get("replicas", 1))
+    kinds = (("weightbus_s", "broadcast", "floor_s", "broadcast"),
+             ("sharded_s", "direct", "sharded_floor_s", "sharded"),
+             ("relayed_s", "relay=1", "relayed_floor_s", "relayed"))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in mine:
+        n, pred = r.get("replicas", 1), predictions(r, cluster_name)
+        for key, name, floor, planned in kinds:
+            if r.get(key) is None:
+                continue
+            series.setdefault(name, []).append((n, r[key] * 1e3))
+            series.setdefault(f"{name}, planner", []).append((n, pred[planned]))
+            if r.get(floor):
+                series.setdefault(f"{name} floor", []).append((n, r[floor] * 1e3))
+    title = f"one trainer GPU to replicas of one GPU, {preset} ({mine[0].get('device', '')})"
+    hue = dict(zip(("broadcast", "direct", "relay=1"), ("#3070c0", "#d06020", "#30a050"), strict=True))
+    return lines_svg(series, title, "replicas", "ms per update", log_x=False,
+                     dashed={k for k in series if k.endswith("planner")},
+                     grey={k for k in series if k.endswith("floor")},
+                     colors={k: hue[k.split(",")[0].removesuffix(" floor")] for k in series})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="+", help="bench JSON files (each a list of rows)")
     ap.add_argument("--cluster", default="h100", help="the planner's cluster (weightbus plan --cluster)")
+    ap.add_argument("--plot", metavar="FILE", help="also draw the fan-out curve into this SVG file")
     args = ap.parse_args()
     rows = []
     for path in args.json:
@@ -72,6 +102,9 @@ def main() -> None:
             got = json.load(f)
         rows += [r for r in (got if isinstance(got, list) else got.get("rows", [got])) if r.get("rollout_tp")]
     print(table(rows, args.cluster))
+    if args.plot:
+        with open(args.plot, "w") as f:
+            f.write(plot(rows, args.cluster))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ TP3 = [
     ("plan s8tp3: sharded TP=3, 8b bf16", "8b", None, "sharded", (50.5, 50.0)),
     ("plan s30tp3: nccl 1->3, 30b-a3b/24 bf16", "30b-a3b", 24, "nccl",
      (103.5, 107.7, 97.5, 103.7, 108.0, 96.7)),
-    ("plan s30tp3: sharded TP=3, 30b-a3b/24 bf16 (28,305 pieces)", "30b-a3b", 24, "sharded", (99.6, 97.9, 99.1)),
+    ("plan s30tp3: sharded TP=3, 30b-a3b/24 bf16 (28,305 pieces)", "30b-a3b", 24, "sharded",
+     (99.6, 97.9, 99.1)),
 ]
 
 
@@ -102,6 +103,32 @@ def test_relay_rows_within_15_percent(row):
     ms = statistics.median(runs)
     assert abs(p.seconds * 1e3 / ms - 1) <= 0.15, (p.seconds * 1e3, ms, p.parts)
     assert p.floor_s <= p.seconds
+
+
+def test_relay_table_and_its_plot_from_the_measured_files():
+    """benchmarks/relay_table.py over the committed 4-GPU rows: a line per update with its
+    floor and the planner's prediction, and the fan-out curve with every series."""
+    import glob
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "relay_h100x4_r8x*.json")))
+    assert len(files) == 4
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "relay_table.py"), *files],
+                         capture_output=True, text=True, check=True, cwd=root).stdout
+    rows = [json.load(open(f))[0] for f in files]
+    assert out.count("| sharded, direct |") == len(rows) and "relay=2 (2-ary tree)" in out
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import relay_table
+    finally:
+        sys.path.pop(0)
+    svg = relay_table.plot(rows, "h100")
+    for name in ("broadcast", "direct", "relay=1", "relay=1, planner", "relay=1 floor"):
+        assert f">{name}</text>" in svg, name
+    assert svg.count("<polyline") == 9  # 3 updates x (measured, planned, floor)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])

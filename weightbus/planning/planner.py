@@ -4,6 +4,7 @@ backend and bucket size, and the update's time against the number of rollout rep
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -150,18 +151,30 @@ _COLORS = ("#3070c0", "#d06020", "#30a050", "#a040a0", "#c0a020", "#20a0b0")
 
 def sweep_svg(rows: list[tuple[int, list[Prediction]]], title: str) -> str:
     """Seconds per update of every backend, and the floor, against the number of replicas
-    (``sweep_all``'s rows), as an SVG line plot: the replica counts at their true places on
-    a log axis, seconds on a labelled linear axis (no plotting library needed)."""
-    import math
-    w, h, left, right, top_pad, bottom = 640, 360, 64, 150, 36, 48
-    xs = [n for n, _ in rows]
+    (``sweep_all``'s rows), as an SVG line plot (:func:`lines_svg`: the replica counts at
+    their true places on a log axis, seconds on a labelled linear axis)."""
     backends = sorted({p.backend for _, preds in rows for p in preds})
-    floor = [(n, min(p.floor_s for p in preds)) for n, preds in rows]
-    ymax = max(max(p.seconds for _, preds in rows for p in preds), max(f for _, f in floor)) * 1.08 or 1.0
-    lo, hi = math.log2(min(xs)), math.log2(max(xs))
+    series = {b: [(n, p.seconds) for n, preds in rows for p in preds if p.backend == b] for b in backends}
+    series["floor"] = [(n, min(p.floor_s for p in preds)) for n, preds in rows]
+    return lines_svg(series, title, "rollout replicas (log scale)", "seconds per update", dashed={"floor"})
 
-    def at(n: float, v: float) -> tuple[float, float]:
-        t = (math.log2(n) - lo) / (hi - lo) if hi > lo else 0.5
+
+def lines_svg(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str, *,
+              log_x: bool = True, dashed: Collection[str] = (), grey: Collection[str] = (),
+              colors: dict[str, str] | None = None) -> str:
+    """Named series of (x, y) points as an SVG line plot (no plotting library needed): x
+    at its true place (``log_x``: on a log2 axis), ticked at every x a series has; y on a
+    linear axis from 0 with 6 labelled ticks; ``dashed`` series drawn dashed, ``grey`` ones
+    grey, ``colors`` as named (the rest in turn); a legend on the right."""
+    import math
+    w, h, left, right, top_pad, bottom = 640, 360, 64, 190, 36, 48
+    xs = sorted({x for pts in series.values() for x, _ in pts})
+    ymax = max(y for pts in series.values() for _, y in pts) * 1.08 or 1.0
+    f = math.log2 if log_x else (lambda v: v)
+    lo, hi = f(min(xs)), f(max(xs))
+
+    def at(x: float, v: float) -> tuple[float, float]:
+        t = (f(x) - lo) / (hi - lo) if hi > lo else 0.5
         return left + (w - left - right) * t, h - bottom - (h - bottom - top_pad) * v / ymax
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
@@ -175,20 +188,17 @@ def sweep_svg(rows: list[tuple[int, list[Prediction]]], title: str) -> str:
         _, y = at(min(xs), v)
         out.append(f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#444"/>')
         out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>')
-    for n in xs:  # x ticks at the replica counts asked for
+    for n in xs:  # x ticks at the points' own x
         x, _ = at(n, 0)
         out.append(f'<line x1="{x:.1f}" y1="{y0:.1f}" x2="{x:.1f}" y2="{y0 + 4:.1f}" stroke="#444"/>')
-        out.append(f'<text x="{x:.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{n}</text>')
+        out.append(f'<text x="{x:.1f}" y="{y0 + 16:.1f}" text-anchor="middle">{n:g}</text>')
     mid = (top_pad + y0) / 2
-    out.append(f'<text x="{(left + x1) / 2:.0f}" y="{h - 10}" text-anchor="middle">'
-               f'rollout replicas (log scale)</text>')
+    out.append(f'<text x="{(left + x1) / 2:.0f}" y="{h - 10}" text-anchor="middle">{x_label}</text>')
     out.append(f'<text x="14" y="{mid:.0f}" transform="rotate(-90 14 {mid:.0f})" '
-               f'text-anchor="middle">seconds per update</text>')
-    series = [(b, _COLORS[i % len(_COLORS)],
-               [(n, p.seconds) for n, preds in rows for p in preds if p.backend == b])
-              for i, b in enumerate(backends)] + [("floor", "#999999", floor)]
-    for i, (name, color, pts) in enumerate(series):
-        dash = ' stroke-dasharray="5,4"' if name == "floor" else ""
+               f'text-anchor="middle">{y_label}</text>')
+    for i, (name, pts) in enumerate(series.items()):
+        color = "#999999" if name in grey else (colors or {}).get(name, _COLORS[i % len(_COLORS)])
+        dash = ' stroke-dasharray="5,4"' if name in dashed else ""
         line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (at(n, v) for n, v in pts))
         out.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
         out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>'
@@ -207,5 +217,5 @@ def check_model(model: str) -> str:
     return model
 
 
-__all__ = ["PlanError", "Question", "answer", "as_json", "check_model", "sweep", "sweep_all", "sweep_svg",
-           "sweep_text", "table"]
+__all__ = ["PlanError", "Question", "answer", "as_json", "check_model", "lines_svg", "sweep", "sweep_all",
+           "sweep_svg", "sweep_text", "table"]
