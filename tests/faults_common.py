@@ -8,6 +8,7 @@ import re
 import signal
 import time
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import workers_faults
 
@@ -49,9 +50,28 @@ PHASES = ["formation", "header", "mid-update", "final-status"]
 
 
 def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False,
-              sharded: bool = False) -> tuple[dict, list]:
+             sharded: bool = False) -> tuple[dict, list]:
     """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
-    survivor's report (each must report), and the processes (all ended)."""
+    survivor's report (each must report), and the processes (all ended).
+
+    The first, healthy update is the set-up, not the subject (but at ``formation``): where
+    no rank got through it, the case runs once more from fresh processes. A 2-core host
+    loaded by the suite's other workers can starve a new trainer's store past a 2.5 s
+    formation deadline (seen once in CI); a fault that breaks the set-up fails both runs."""
+    survivors = {r for r in range(3) if r != lost}
+    results, procs = _lose_once(port, backend, lost, phase, how, delta, sharded)
+    if phase != "formation" and not any(r["first"] == "ok" for r in results.values()):
+        print(f"the healthy first update failed on every rank ({results}): once more")
+        buffers.sweep_stale_segments()  # (the first run's segments, if its trainer died)
+        fresh = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # (new keys)
+        results, procs = _lose_once(fresh.port, backend, lost, phase, how, delta, sharded)
+        del fresh
+    assert set(results) == survivors, results
+    return results, procs
+
+
+def _lose_once(port: int, backend: str, lost: int, phase: str, how: str, delta: bool,
+               sharded: bool) -> tuple[dict, list]:
     # (spawned, not forked from the suite's server: with 2.5 s deadlines, forked workers that
     # all start at once on a loaded 2-core host missed the first update's formation in CI)
     ctx = mp.get_context("spawn")
@@ -77,7 +97,6 @@ def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bo
         p.join(10)
         if p.is_alive():
             p.kill()
-    assert set(results) == survivors, results
     return results, procs
 
 
