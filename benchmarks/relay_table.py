@@ -42,12 +42,12 @@ def predictions(row: dict, cluster_name: str) -> dict[str, float]:
     return out
 
 
-def table(rows: list[dict], cluster_name: str) -> str:
+def table(rows: list[dict], preds: list[dict[str, float]]) -> str:
+    """The markdown table: ``preds[i]`` is :func:`predictions` of ``rows[i]``."""
     lines = ["| row | replicas x TP | update | measured ms | floor ms | ratio | planner ms "
              "| measured / planner |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pred = predictions(r, cluster_name)
+    for r, pred in zip(rows, preds, strict=True):
         name = f"{r['preset']}, {r.get('device', '')}"
         shape = f"{r.get('replicas', 1)} x {r['rollout_tp']}"
         cells = [("broadcast (nccl)", r["weightbus_s"], r["floor_s"], pred["broadcast"]),
@@ -64,17 +64,19 @@ def table(rows: list[dict], cluster_name: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], cluster_name: str) -> str:
-    """The fan-out curve of the first row's preset (chains only: the planner's pick)."""
+def plot(rows: list[dict], preds: list[dict[str, float]]) -> str:
+    """The fan-out curve of the first row's preset (chains only: the planner's pick), with
+    ``preds[i]`` the planner's for ``rows[i]``."""
     preset = rows[0]["preset"]
-    mine = sorted((r for r in rows if r["preset"] == preset and r.get("relay", 1) == 1),
-                  key=lambda r: r.get("replicas", 1))
+    mine = sorted(((r, p) for r, p in zip(rows, preds, strict=True)
+                   if r["preset"] == preset and r.get("relay", 1) == 1),
+                  key=lambda rp: rp[0].get("replicas", 1))
     kinds = (("weightbus_s", "broadcast", "floor_s", "broadcast"),
              ("sharded_s", "direct", "sharded_floor_s", "sharded"),
              ("relayed_s", "relay=1", "relayed_floor_s", "relayed"))
     series: dict[str, list[tuple[float, float]]] = {}
-    for r in mine:
-        n, pred = r.get("replicas", 1), predictions(r, cluster_name)
+    for r, pred in mine:
+        n = r.get("replicas", 1)
         for key, name, floor, planned in kinds:
             if r.get(key) is None:
                 continue
@@ -82,7 +84,7 @@ def plot(rows: list[dict], cluster_name: str) -> str:
             series.setdefault(f"{name}, planner", []).append((n, pred[planned]))
             if r.get(floor):
                 series.setdefault(f"{name} floor", []).append((n, r[floor] * 1e3))
-    title = f"one trainer GPU to replicas of one GPU, {preset} ({mine[0].get('device', '')})"
+    title = f"one trainer GPU to replicas of one GPU, {preset} ({mine[0][0].get('device', '')})"
     hue = dict(zip(("broadcast", "direct", "relay=1"), ("#3070c0", "#d06020", "#30a050"), strict=True))
     return lines_svg(series, title, "replicas", "ms per update", log_x=False,
                      dashed={k for k in series if k.endswith("planner")},
@@ -101,10 +103,11 @@ def main() -> None:
         with open(path) as f:
             got = json.load(f)
         rows += [r for r in (got if isinstance(got, list) else got.get("rows", [got])) if r.get("rollout_tp")]
-    print(table(rows, args.cluster))
+    preds = [predictions(r, args.cluster) for r in rows]  # (once: the table and the plot share them)
+    print(table(rows, preds))
     if args.plot:
         with open(args.plot, "w") as f:
-            f.write(plot(rows, args.cluster))
+            f.write(plot(rows, preds))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_relay_table_and_its_plot_from_the_measured_files():
         import relay_table
     finally:
         sys.path.pop(0)
-    svg = relay_table.plot(rows, "h100")
+    svg = relay_table.plot(rows, [relay_table.predictions(r, "h100") for r in rows])
     for name in ("broadcast", "direct", "relay=1", "relay=1, planner", "relay=1 floor"):
         assert f">{name}</text>" in svg, name
     assert svg.count("<polyline") == 9  # 3 updates x (measured, planned, floor)

@@ -330,17 +330,17 @@ def raw_sends(group: Any, rank: int, counts: list[int], chunk: int, slots: list[
     unpacking, relay or checks. A relayed update's floor is the same call with the bytes
     the senders send (to the first replica only): forwarding adds hops, not bytes on the
     senders' link."""
-    pieces = [[(lo, min(chunk, c - lo)) for lo in range(0, c, chunk)] for c in counts]
+    sizes = [[min(chunk, c - lo) for lo in range(0, c, chunk)] for c in counts]
     if rank != 0:
-        pieces, counts = [pieces[rank - 1]], [counts[rank - 1]]
-    works: list[list[Any]] = [[] for _ in pieces]
-    for j in range(max((len(p) for p in pieces), default=0)):
-        for i, mine in enumerate(pieces):
+        sizes = [sizes[rank - 1]]
+    works: list[list[Any]] = [[] for _ in sizes]
+    for j in range(max((len(p) for p in sizes), default=0)):
+        for i, mine in enumerate(sizes):
             if j >= len(mine):
                 continue
             if len(works[i]) >= 2:
                 works[i].pop(0).wait()
-            buf = slots[j % 2][: mine[j][1]]
+            buf = slots[j % 2][: mine[j]]
             works[i].append(group.send([buf], 1 + i, 0) if rank == 0 else group.recv([buf], 0, 0))
     for w in works:
         for x in w:
