@@ -17,6 +17,12 @@ Rows (one engine, medians of ``--updates`` after one warm-up):
 - ``weightbus nccl``: a trainer process on GPU 1, the manager's whole update over NCCL;
 - ``SGLang update_weights_from_distributed``: the same tensors on GPU 1 in this process,
   broadcast one by one into SGLang's group (its own NCCL path).
+
+Every update row ends with the engine generating one token (what the RL loop does next):
+neither SGLang's own calls nor a CUDA IPC or NCCL receive wait for the GPU to finish, so a
+row that stopped at the call's return would time the launches, not the update (an earlier
+version of this script did, and reported SGLang's NCCL path at 513 GB/s, past the link).
+The ``generate 1 token`` row is that step alone, to subtract.
 """
 
 from __future__ import annotations
@@ -112,14 +118,21 @@ def run(preset: str, layers: int, updates: int, json_path: str | None) -> list[d
             with open(json_path, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
 
+    def settle() -> None:
+        # (a forward pass after the update: the GPU has finished loading it when a token comes back)
+        engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
     def guarded(name: str, fn) -> None:
         try:
-            med, runs = median_s(fn, updates)
+            med, runs = median_s(lambda: (fn(), settle()), updates)
             row(name, med, runs)
         except Exception as e:  # noqa: BLE001 - a row that failed says why
             row(name, None, [], note=f"{type(e).__name__}: {str(e)[:300]}")
 
     row("bulk copy", copy_s, [copy_s])
+    settle()
+    med, runs = median_s(settle, updates)
+    row("generate 1 token", med, runs)
     replica = SGLangReplica(engine, name="sglang0")
     version = [0]
     for mode, device in (("colocated", "cuda:0"), ("nccl", "cuda:1")):
@@ -194,7 +207,7 @@ def _distributed(engine, named: dict[str, torch.Tensor], port: int):
         th.start()
         for t in named.values():
             torch.distributed.broadcast(t, src=0, group=pg)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(next(iter(named.values())).device)
         th.join()
         ok = out.get("r", (False, "no answer"))
         if not ok[0]:

@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/sglang_gpu.sh tests            # tests/test_sglang_gpu.py: hybrid, nccl, tp2
 #   bash benchmarks/sglang_gpu.sh speed            # weightbus against SGLang's own paths
+#   bash benchmarks/sglang_gpu.sh verl             # verl's SGLang rollout through weightbus.nccl
+#                                                  # (Ray and verl carried too: VERL_SITE)
 #
 # Each piece runs in its own process group, ended by its id after it (a leaked engine keeps
 # its GPU memory). Logs and JSON rows go to $OUT (or ./results).
@@ -35,5 +37,11 @@ speed)
       --json "$OUT/sglang_speed_$v.jsonl" > "$OUT/sglang_speed_${v}_$1.log" 2>&1 || echo "($spec: exit $?)"
   done
   python3 benchmarks/sglang_gpu.py --table "$OUT/sglang_speed_$v.jsonl"
+  ;;
+verl)
+  run "${VERL_S:-480}" python3 benchmarks/verl_sglang_gpu.py --layers "${LAYERS:-8}" \
+    --json "$OUT/verl_sglang_$v.jsonl" > "$OUT/verl_sglang_$v.log" 2>&1 || echo "(verl: exit $?)"
+  grep -E '"row"' "$OUT/verl_sglang_$v.log" | cut -c1-400
+  grep -E "Error|error|Traceback" "$OUT/verl_sglang_$v.log" | tail -15
   ;;
 esac
