@@ -136,6 +136,13 @@ def verl(cluster):
     made.close()
 
 
+def _tokens(actor_wg, *rollout_wgs) -> str | None:
+    """The group every rank holds (one token for all, or an AssertionError)."""
+    held = {*actor_wg.group_token(), *(t for wg in rollout_wgs for t in wg.group_token())}
+    assert len(held) == 1, f"the ranks hold different groups: {held}"
+    return held.pop()
+
+
 def _check(actor_wg, rollout_wgs) -> None:
     want = actor_wg.digests()[0]
     for wg in rollout_wgs:
@@ -164,13 +171,18 @@ def test_verl_manager_updates_bitwise(cluster, verl, backend, options, trainers,
     actor_wg = verl.trainers(trainer_pool, model, ce)
     rollout_wg, replicas = verl.rollouts(rollout_pool, model, rollout)
     manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=replicas)
-    sizes = []
+    sizes, tokens = [], []
     for step in range(3):
         actor_wg.step(step)
         metrics = manager.update_weights(global_steps=step + 1)
         _check(actor_wg, [rollout_wg])
         assert metrics["weightbus/version"] == step + 1, metrics
         sizes.append(metrics["weightbus/bytes"])
+        tokens.append(_tokens(actor_wg, rollout_wg))
+    if backend in ("weightbus.gloo", "weightbus.nccl"):
+        # (verl's manager forms the group before every update: the collective engines keep
+        # the one they formed first, every rank in the same one)
+        assert tokens[0] is not None and tokens == [tokens[0]] * 3, tokens
     assert rollout_wg.steps_received() == [[1, 2, 3]] * rollouts
     assert rollout_wg.engine_version() == [3] * rollouts
     params = actor_wg.numel()[0]
@@ -190,17 +202,22 @@ def test_verl_elastic_replicas_join_and_leave(cluster, verl):
     actor_wg.step(0)
     manager.update_weights(global_steps=1)
     _check(actor_wg, [first_wg])
+    formed = [_tokens(actor_wg, first_wg)]
 
     second_wg, second = verl.rollouts(second_pool, model, rollout, first_replica=1)
     manager.add_replicas(second)
     actor_wg.step(1)
     manager.update_weights(global_steps=2)
     _check(actor_wg, [first_wg, second_wg])
+    formed.append(_tokens(actor_wg, first_wg, second_wg))
 
     manager.remove_replicas(first)
     actor_wg.step(2)
     manager.update_weights(global_steps=3)
     _check(actor_wg, [second_wg])
+    formed.append(_tokens(actor_wg, second_wg))
+    # (each membership formed its own group: nobody kept one the others had left)
+    assert len(set(formed)) == 3, formed
     assert first_wg.engine_version() == [2] and second_wg.engine_version() == [3]
     assert first_wg.steps_received() == [[1, 2]] and second_wg.steps_received() == [[2, 3]]
 

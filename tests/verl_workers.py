@@ -74,6 +74,11 @@ class Trainer(TrainingWorker):
                 local.add_(torch.full_like(local, 1e-3 * (step + 1) * ((k % 7) - 3)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def group_token(self) -> str | None:
+        """The rendezvous token of the group this rank holds (None: none it may keep)."""
+        return (self.checkpoint_engine.engine.formation() or {}).get("token")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def numel(self) -> int:
         """Elements in the whole model (not this rank's shard)."""
         return sum(p.numel() for p in self.engine.module.parameters())
@@ -143,6 +148,10 @@ class Rollout(CheckpointEngineWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_version(self) -> int | None:
         return self.checkpoint_engine.version
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def group_token(self) -> str | None:
+        return (self.checkpoint_engine.engine.formation() or {}).get("token")
 
 
 class Replica(RolloutReplica):

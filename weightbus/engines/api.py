@@ -288,6 +288,13 @@ class CheckpointEngine(ABC):
     def finalize(self, destroy_group: bool = False) -> None:
         """Free buckets; with ``destroy_group`` also drop the group."""
 
+    def formation(self) -> dict[str, Any] | None:
+        """The ``init_process_group`` arguments of the group this rank is in, while it may
+        be kept (formed, and no update broke it since); ``None`` otherwise. An engine that
+        returns them keeps its group when ``init_process_group`` is called with the same
+        arguments again (verl's manager forms the group before every update)."""
+        return None
+
     def set_destinations(self, named: Any) -> None:
         """Rollout side: write received tensors straight into these (name -> tensor) where
         name, dtype and shape match, instead of yielding views of a bucket: no temporary

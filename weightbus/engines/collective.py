@@ -64,6 +64,7 @@ class CollectiveEngine(BucketEngine):
         self._held: dict[int, int] = {}  # slot -> the bucket it last sent (for errors)
         self._formed = 0  # how many times a group was formed under _formed_token
         self._formed_token = ""
+        self._formed_with: dict[str, Any] | None = None  # init_process_group's arguments
 
     # --- lifecycle ---------------------------------------------------------------------
     def set_shard_destinations(self, placements: sharded.Placements | sharded.Destinations | None) -> None:
@@ -142,8 +143,15 @@ class CollectiveEngine(BucketEngine):
         if relay != self.relay:
             raise PlanError(f"{self.where()}: the group relays with relay={relay}, this engine was made "
                             f"with relay={self.relay}")
+        args = dict(rank=rank, trainer_world_size=T, rollout_world_size=R, master_addr=master_addr,
+                    master_port=master_port, token=token, bucket_size=bucket_size, sharded=bool(sharded),
+                    relay=relay)
         self._sharding, self._layouts, self._shard_plans = bool(sharded), None, {}
         self._layout_seen = [(None, None)] * R
+        if args == self.formation():  # (the same group again, healthy: keep it, buckets anew)
+            self._allocate()
+            return
+        self._formed_with = None
         if bucket_size is not None and bucket_size != self.bucket_size:
             self._wait_all("resize buckets")
             self._bucket_size, self._slots = int(bucket_size), []
@@ -173,9 +181,16 @@ class CollectiveEngine(BucketEngine):
                                             self.timeout, self.device, self.where())
         self._broken = None
         self._peers_fingerprint = None
+        self._formed_with = args
+
+    def formation(self) -> dict[str, Any] | None:
+        if self._ctl is None or self._broken:
+            return None
+        return self._formed_with
 
     def rebuild_group(self, **kwargs: Any) -> None:
         """Drop and re-form the groups with the same rendezvous (all ranks call it)."""
+        self._formed_with = None
         self.init_process_group(**kwargs)
 
     def _drop_groups(self) -> None:
@@ -194,7 +209,7 @@ class CollectiveEngine(BucketEngine):
         self._forget_views()
         if destroy_group:
             self._drop_groups()
-            self._store_server = None
+            self._store_server, self._formed_with = None, None
 
     # --- transport hooks ---------------------------------------------------------------
     def _packs(self, b: Bucket) -> bool:

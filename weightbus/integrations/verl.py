@@ -60,6 +60,9 @@ BACKENDS = ("gloo", "nccl", "hccl", "nixl", "mooncake", "colocated", "shm", "dis
 PREFIX = "weightbus."
 
 _SIDE = "_weightbus_side"  # (build_topology -> init_process_group: the rank's side)
+_KEPT = "_weightbus_kept"  # (prepare -> build_topology: the group a rank holds and may keep)
+#: what makes a kept group the one a new formation would meet at
+_RENDEZVOUS = ("master_addr", "master_port", "token")
 
 #: the verl versions this adapter is tested with (the ``weightbus[verl]`` extra pins them)
 TESTED_VERL = ("0.9.1",)
@@ -98,13 +101,31 @@ class VerlEngine(_VerlEngine):
 
     # --- verl's lifecycle --------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        return self.engine.prepare()
+        meta = self.engine.prepare()
+        kept = self.engine.formation()
+        return {**meta, _KEPT: kept} if kept is not None else meta
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
                        ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         engine_cls = CheckpointEngineRegistry.get(cls.backend)
-        actor, rollout = engine_cls.build_topology(actor_wg_world_size, rollout_world_size, list(metadata))
+        kept = [m.get(_KEPT) for m in metadata]
+        metadata = [{k: v for k, v in m.items() if k != _KEPT} for m in metadata]
+        actor, rollout = engine_cls.build_topology(actor_wg_world_size, rollout_world_size, metadata)
+        # verl's manager forms the group before every update. When every rank still holds
+        # the group it formed last, healthy and in the place this topology gives it, the
+        # ranks meet at that group's rendezvous again, and an engine that keeps groups
+        # (formation()) keeps it instead of forming a new one: an NCCL communicator costs
+        # ~0.5 s to form, more than moving a 2 GB model. Any other difference (a rank
+        # joined, left, failed or changed its buckets) reaches the engine as new arguments,
+        # and it forms anew, every rank alike.
+        first = kept[0]
+        if first is not None and all(
+                k is not None and k["rank"] == i and all(k[f] == first[f] for f in first if f != "rank")
+                for i, k in enumerate(kept)):
+            for side in (actor, rollout):
+                for f in _RENDEZVOUS:
+                    side[f] = [first[f]] * len(side[f])
         # (verl builds a rollout's engine without saying its side; the topology knows it)
         return ({**actor, _SIDE: ["trainer"] * actor_wg_world_size},
                 {**rollout, _SIDE: ["rollout"] * rollout_world_size})
