@@ -47,6 +47,23 @@ def _source(named):
     return ModuleSource(named)
 
 
+def _sglang_engine(**server_args):
+    """What SGLangReplica reads of an ``sglang.Engine`` when it is given: its server args."""
+    from weightbus.integrations.sglang import engine_args
+    sa = {"tp_size": 1, "pp_size": 1, "dp_size": 1, **engine_args()}
+    return type("Engine", (), {"server_args": type("ServerArgs", (), {**sa, **server_args})})()
+
+
+def _sglang_replica(engine, **kw):
+    from weightbus.integrations.sglang import SGLangReplica
+    return SGLangReplica(engine, name="s0", **kw)
+
+
+def _sglang_engine_args(**kw):
+    from weightbus.integrations.sglang import engine_args
+    return engine_args(**kw)
+
+
 def _sparse():
     return torch.eye(3).to_sparse()
 
@@ -194,6 +211,17 @@ CASES = [
         {"addr": "h", "port": 1, "token": "t", "bucket_size": 4096, "relay": 2},
         {"addr": "h", "bucket_size": 4096, "relay": 0}]), WeightbusError,
      r"different relay values \(relay=2 on rank\(s\) 0; relay=0 on rank\(s\) 1\)"),
+    # --- the SGLang replica (checked where it is given: no SGLang needed)
+    ("sglang-not-an-engine", lambda: _sglang_replica(None), WeightbusError, "expected an sglang.Engine.*NoneType"),
+    ("sglang-no-hook", lambda: _sglang_replica(_sglang_engine(custom_weight_loader=[])), WeightbusError,
+     "custom_weight_loader does not list.*engine_args"),
+    ("sglang-pp2", lambda: _sglang_replica(_sglang_engine(pp_size=2)), WeightbusError,
+     "pipeline or data parallelism.*pp_size 2"),
+    ("sglang-dp2", lambda: _sglang_replica(_sglang_engine(dp_size=2)), WeightbusError, "dp_size 2.*one replica per"),
+    ("sglang-pause-mode", lambda: _sglang_replica(_sglang_engine(), mode="stop"), WeightbusError,
+     "pause mode must be one of.*'stop'"),
+    ("sglang-loader-not-names", lambda: _sglang_engine_args(custom_weight_loader=[print]), WeightbusError,
+     "custom_weight_loader must be a list of dotted function names"),
 ]
 
 

@@ -98,6 +98,8 @@ def test_replica_is_checked_where_it_is_given(free_port):
         SGLangReplica(Bare())
     loaders = engine_args(model_path="m", custom_weight_loader=["a.b"])["custom_weight_loader"]
     assert loaders == ["a.b", "weightbus.integrations.sglang.worker.hook"]
+    one = engine_args(model_path="m", custom_weight_loader="a.b")["custom_weight_loader"]
+    assert one == loaders  # (one dotted name given as a string: that name, not its characters)
 
 
 # ------------------------------------------------------------------ across processes
@@ -179,3 +181,118 @@ def test_digests_wait_with_a_deadline(toy, monkeypatch):
         replica.digests()
     assert time.monotonic() - start < 2.5
     replica._submit("drain", lambda: None).result(10)  # (the stalled call ends before the next test)
+
+
+# ------------------------------------------------------------------ faults
+#
+# Processes that die as an update starts (the moment the trainer builds its source: the group
+# is formed, no byte has moved): the manager raises within its deadline naming who died, no
+# SGLang TP worker is left waiting, served weights and version stay as they were, and the
+# next update (without the dead) lands bitwise.
+
+F = 20  # seconds: the fault tests' deadline
+
+
+class FaultyTrainer(ToyTrainer):
+    """A trainer that, once armed, kills a process (a replica's TP worker) or itself as the
+    next update starts."""
+
+    def __init__(self, rank, world):
+        super().__init__(rank, world)
+        self.armed = None
+
+    def arm(self, pid):
+        self.armed = pid
+
+    def weights_source(self):
+        import os
+        import signal
+        pid, self.armed = self.armed, None
+        if pid == "self":
+            os._exit(3)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        return super().weights_source()
+
+
+def _engines(n):
+    from weightbus.comm import free_port
+    return [ToyEngine(tp=2, port=free_port(), timeout=T) for _ in range(n)]
+
+
+def test_a_dead_tp_worker_fails_the_update_naming_its_replica_then_the_others_go_on():
+    engines = _engines(2)
+    trainer = LocalWorkerGroup(FaultyTrainer, 1, name="trainer")
+    replicas = [SGLangReplica(e, name=f"sglang-{k}") for k, e in zip("ab", engines, strict=True)]
+    mgr = CheckpointEngineManager("gloo", trainer, replicas, timeout=F, pause_mode="wait")
+    try:
+        call(trainer, "step", 1, timeout=T)
+        mgr.update_weights(version=1)
+        for e in engines:
+            assert_served(e, trainer)
+        held = engines[0].params(0)
+        call(trainer, "step", 2, timeout=T)
+        call(trainer, "arm", engines[1].workers.pids()[1], timeout=T)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed, match="sglang-b") as e:
+            mgr.update_weights(version=2)
+        assert time.monotonic() - t0 < 2 * F + 10, "waited past the deadline"
+        msg = str(e.value)
+        assert "rollout rank 3 reported no outcome" in msg, msg  # (the dead TP worker, named)
+        # the healthy replica serves version 1 whole or version 2 whole, or says it is torn
+        # (no version) where its update stopped after it had written a layer
+        got = replicas[0].weight_version()
+        if got == 2:
+            assert_served(engines[0], trainer)
+        elif got == 1:
+            for n, t in engines[0].params(0).items():
+                assert torch.equal(t, held[n]), n
+        else:
+            assert got is None and mgr.versions()["sglang-a"] is None and "torn" in msg, (got, msg)
+        mgr.remove_replicas([replicas[1]])
+        call(trainer, "step", 3, timeout=T)
+        mgr.update_weights(version=3)
+        assert_served(engines[0], trainer)
+        assert replicas[0].weight_version() == 3 and mgr.versions() == {"sglang-a": 3}
+    finally:
+        mgr.shutdown()
+        trainer.shutdown()
+        for r in replicas:
+            r.shutdown()
+        for e in engines:
+            e.shutdown()
+
+
+def test_a_trainer_dying_as_the_update_starts_leaves_sglang_serving_then_a_new_trainer_lands():
+    (engine,) = _engines(1)
+    trainer = LocalWorkerGroup(FaultyTrainer, 1, name="trainer")
+    replica = SGLangReplica(engine, name="sglang0")
+    mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=F, pause_mode="wait")
+    second = None
+    try:
+        mgr.update_weights(version=1)
+        held = engine.params(0)
+        call(trainer, "arm", "self", timeout=T)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed, match="trainer"):
+            mgr.update_weights(version=2)
+        assert time.monotonic() - t0 < 2 * F + 10, "waited past the deadline"
+        assert replica.weight_version() == 1
+        for n, t in engine.params(0).items():
+            assert torch.equal(t, held[n]), n  # nothing written
+        mgr.shutdown()
+        trainer.shutdown()
+        # a new trainer, the same SGLang engine: the next update lands whole
+        second = LocalWorkerGroup(FaultyTrainer, 1, name="trainer2")
+        call(second, "step", 5, timeout=T)
+        mgr = CheckpointEngineManager("gloo", second, [replica], timeout=F, pause_mode="wait")
+        mgr.update_weights(version=2)
+        assert_served(engine, second)
+        assert replica.weight_version() == 2
+    finally:
+        mgr.shutdown()
+        trainer.shutdown()
+        if second is not None:
+            second.shutdown()
+        replica.shutdown()
+        engine.shutdown()

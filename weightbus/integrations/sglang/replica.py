@@ -41,7 +41,13 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 def engine_args(**kwargs: Any) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments with weightbus's hook added to
     ``custom_weight_loader`` (what :class:`SGLangReplica` needs)."""
-    loaders = list(kwargs.get("custom_weight_loader") or [])
+    given = kwargs.get("custom_weight_loader") or []
+    if isinstance(given, str):  # (one dotted name, not its characters)
+        given = [given]
+    if not all(isinstance(x, str) for x in given):
+        raise ConfigError(f"engine_args: custom_weight_loader must be a list of dotted function names, "
+                          f"got {given!r}")
+    loaders = list(given)
     if HOOK not in loaders:
         loaders.append(HOOK)
     return {**kwargs, "custom_weight_loader": loaders}
@@ -54,7 +60,10 @@ class SGLangReplica(EngineReplica):
     time: do not call the engine from another thread during an update."""
 
     def __init__(self, engine: Any, name: str = "sglang", *, mode: str | None = None):
-        sa = engine.server_args
+        sa = getattr(engine, "server_args", None)
+        if sa is None or not hasattr(sa, "tp_size"):
+            raise ConfigError(f"SGLang replica {name!r}: expected an sglang.Engine (with server_args), "
+                              f"got {type(engine).__name__}")
         if HOOK not in (sa.custom_weight_loader or []):
             raise ConfigError(f"SGLang replica {name!r}: the engine's custom_weight_loader does not list "
                               f"{HOOK!r}: build it with sglang.Engine(**engine_args(...))")
