@@ -220,6 +220,8 @@ CASES = [
     ("sglang-dp2", lambda: _sglang_replica(_sglang_engine(dp_size=2)), WeightbusError, "dp_size 2.*one replica per"),
     ("sglang-pause-mode", lambda: _sglang_replica(_sglang_engine(), mode="stop"), WeightbusError,
      "pause mode must be one of.*'stop'"),
+    ("sglang-sharded-str", lambda: _sglang_replica(_sglang_engine(), sharded="yes"), WeightbusError,
+     "sharded must be True, False or None, got 'yes'"),
     ("sglang-loader-not-names", lambda: _sglang_engine_args(custom_weight_loader=[print]), WeightbusError,
      "custom_weight_loader must be a list of dotted function names"),
 ]

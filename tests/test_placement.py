@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbus.integrations.vllm.placement import Recorder
+from weightbus.integrations.placement import Recorder
 from weightbus.packing.shards import Box
 from weightbus.plan import Manifest, TensorMeta
 

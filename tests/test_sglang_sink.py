@@ -139,6 +139,12 @@ def test_updates_land_bitwise_on_every_tp_rank(toy):
         assert replica.weight_version() == step
         assert mgr.versions() == {"sglang0": step}
     assert engine.flushes - flushes == 3  # the cache of the old weights flushed with each update
+    # sharded (the default for TP workers over a collective engine): each TP rank received
+    # only the regions its parameters take, about half the model, every tensor placed
+    whole = sum(t.numel() * t.element_size() for t in call(trainer, "tensors", timeout=T)[0].values())
+    for stats in replica.last_stats:
+        assert stats["fallbacks"] == 0, stats
+        assert stats["bytes"] < 0.75 * whole, (stats["bytes"], whole)
     digests = replica.digests()
     assert len(digests) == 2 and set(digests[0]) == {"qkv_proj", "o_proj", "norm", "w13", "w2"}
     assert digests[0]["qkv_proj"] != digests[1]["qkv_proj"]  # each rank its own slice
@@ -266,7 +272,7 @@ def test_a_dead_tp_worker_fails_the_update_naming_its_replica_then_the_others_go
 def test_a_trainer_dying_as_the_update_starts_leaves_sglang_serving_then_a_new_trainer_lands():
     (engine,) = _engines(1)
     trainer = LocalWorkerGroup(FaultyTrainer, 1, name="trainer")
-    replica = SGLangReplica(engine, name="sglang0")
+    replica = SGLangReplica(engine, name="sglang0", sharded=False)  # (every tensor whole)
     mgr = CheckpointEngineManager("gloo", trainer, [replica], timeout=F, pause_mode="wait")
     second = None
     try:
@@ -289,6 +295,8 @@ def test_a_trainer_dying_as_the_update_starts_leaves_sglang_serving_then_a_new_t
         mgr.update_weights(version=2)
         assert_served(engine, second)
         assert replica.weight_version() == 2
+        whole = sum(t.numel() * t.element_size() for t in call(second, "tensors", timeout=T)[0].values())
+        assert [(s["fallbacks"], s["bytes"]) for s in replica.last_stats] == [(None, whole)] * 2
     finally:
         mgr.shutdown()
         trainer.shutdown()

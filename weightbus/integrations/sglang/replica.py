@@ -53,13 +53,22 @@ def engine_args(**kwargs: Any) -> dict[str, Any]:
     return {**kwargs, "custom_weight_loader": loaders}
 
 
+#: the backends whose engines receive sharded (``set_shard_destinations``)
+SHARDED_TRANSPORTS = ("nccl", "gloo", "hccl")
+
+
 class SGLangReplica(EngineReplica):
     """``engine``: an ``sglang.Engine`` built with :func:`engine_args` (its
     ``custom_weight_loader`` lists weightbus's hook). ``mode`` overrides the manager's pause
-    mode for this replica. Calls into the engine run on the replica's own thread, one at a
-    time: do not call the engine from another thread during an update."""
+    mode for this replica. ``sharded``: each TP worker receives only the regions its
+    parameters take (point to point, written in place) instead of every tensor whole;
+    ``None`` shards where the replica has several TP workers and the manager's backend is a
+    collective one (``nccl``, ``gloo``, ``hccl``). Calls into the engine run on the
+    replica's own thread, one at a time: do not call the engine from another thread during
+    an update."""
 
-    def __init__(self, engine: Any, name: str = "sglang", *, mode: str | None = None):
+    def __init__(self, engine: Any, name: str = "sglang", *, mode: str | None = None,
+                 sharded: bool | None = None):
         sa = getattr(engine, "server_args", None)
         if sa is None or not hasattr(sa, "tp_size"):
             raise ConfigError(f"SGLang replica {name!r}: expected an sglang.Engine (with server_args), "
@@ -74,9 +83,13 @@ class SGLangReplica(EngineReplica):
         if mode is not None and mode not in PAUSE_MODES:
             raise ConfigError(f"SGLang replica {name!r}: pause mode must be one of {list(PAUSE_MODES)}, "
                               f"got {mode!r}")
+        if sharded not in (None, True, False):
+            raise ConfigError(f"SGLang replica {name!r}: sharded must be True, False or None, "
+                              f"got {sharded!r}")
         super().__init__(name, int(sa.tp_size))
         self.engine = engine
         self.mode = mode
+        self.sharded = sharded
         self._paused = False
         self._mode_now = "abort"  # the pause the update runs under
         self._released: set[str] = set()
@@ -132,6 +145,12 @@ class SGLangReplica(EngineReplica):
     def set_weight_version(self, version: str) -> None:
         self.engine.tokenizer_manager.server_args.weight_version = version
 
+    def _shards(self) -> bool:
+        """Whether this replica's TP workers receive sharded (see the class doc)."""
+        if self.sharded is not None:
+            return self.sharded
+        return self.size > 1 and self._setup[0] in SHARDED_TRANSPORTS
+
     def pause(self, mode: str = "abort") -> None:
         """Stop generating before an update: ``abort`` the requests in flight, ``keep``
         them where they are (SGLang's ``in_place``), or ``wait`` for them (SGLang's
@@ -181,7 +200,8 @@ class SGLangReplica(EngineReplica):
         try:
             self._command("connect", master_address=addr, master_port=port, prefix=prefix,
                           trainer_world_size=T, rollout_world_size=R, rank_offset=rank - T,
-                          transport=self._setup[0], engine_kwargs=self._setup[1])
+                          transport=self._setup[0], engine_kwargs=self._setup[1],
+                          sharded=self._shards())
         except Exception as e:  # noqa: BLE001 - SGLang's own error, reported with the workers'
             failure = e
         ranks = range(rank - T, rank - T + self.size)

@@ -17,6 +17,13 @@ know (SGLang's loaders skip or only log one), a shape its loader refuses, or a p
 the update leaves out or half fills refuses the update on every rank, and SGLang keeps
 serving its previous weights.
 
+Sharded (the replica's ``sharded``, on by default for a replica of several TP workers over
+a collective engine): the same dry run records, through SGLang's own loaders
+(:mod:`weightbus.integrations.placement`), which region of each update tensor this rank's
+parameters take; the rank receives only those regions, point to point, each written
+straight into its parameter. A tensor whose loader does more than place bytes arrives whole
+and loads through ``load_weights`` as before.
+
 Nothing here raises into SGLang: an exception in a weight loader ends its scheduler, and
 the process that drives it with it. Each command's outcome goes to the group's store,
 where the driver reads it (:mod:`weightbus.integrations.outcomes`).
@@ -37,6 +44,8 @@ from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError
 from weightbus.integrations import outcomes
 from weightbus.integrations.dryrun import CopyCounter, kind, loader_of, meta_copy, some
+from weightbus.integrations.placement import Placement, Recorder
+from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
 from weightbus.runtime.local import Rendezvous, connect
 
@@ -84,7 +93,9 @@ class SGLangWorker:
         self.prefix = "weightbus"
         self.rank = _tp_rank()
         self.partial = False
-        self._verdicts: dict[tuple[int, int], str | None] = {}  # (model, manifest): why refused
+        #: (model, manifest) -> (why refused, the placement recorded where sharded)
+        self._verdicts: dict[tuple[int, int], tuple[str | None, Placement | None]] = {}
+        self.dests = _Regions(self)
 
     def where(self) -> str:
         return f"SGLang worker {self.rank}"
@@ -124,9 +135,12 @@ class SGLangWorker:
                 engine = CheckpointEngineRegistry.new(cmd["transport"], role="rollout", **kwargs)
             except Exception as e:  # noqa: BLE001
                 rdv.fail(f"{self.where()}: {e}")  # (raises here too)
+            self.partial = bool(cmd.get("partial", False))
+            self.dests.on = bool(cmd.get("sharded")) and hasattr(engine, "set_shard_destinations")
+            if self.dests.on:  # (before prepare: the group learns that it shards as it forms)
+                engine.set_shard_destinations(self.dests)  # type: ignore[attr-defined]
             connect(engine, rdv, T, R)
             self.engine, self.store, self.prefix = engine, rdv.store, cmd["prefix"]
-            self.partial = bool(cmd.get("partial", False))
         if rdv is not None:
             outcomes.post(rdv.store, cmd["prefix"], "connect", 0, done[0])
 
@@ -134,7 +148,7 @@ class SGLangWorker:
         """One update into ``model``; its outcome (this worker's own cause, and whether the
         model kept its previous weights) goes to the group's store."""
         done: list[outcomes.Outcome] = []
-        loading = _Loading()
+        loading = self.dests.loading = _Loading()
         device = _device(model)
         cuda = device.type == "cuda"
         if cuda:  # (what the update allocates beyond what this worker held: no second model copy)
@@ -159,8 +173,11 @@ class SGLangWorker:
         def validate(manifest: Manifest) -> None:
             key = (id(model), manifest.fingerprint)
             if key not in self._verdicts:  # (the model's parameters do not change between updates)
-                self._verdicts[key] = dry_run(model, manifest, self.partial)
-            why = self._verdicts[key]
+                self._verdicts[key] = self._check(model, manifest)
+                while len(self._verdicts) > 8:
+                    self._verdicts.pop(next(iter(self._verdicts)))
+            why, placement = self._verdicts[key]
+            self.dests.placement = (manifest.fingerprint, placement) if placement is not None else None
             if why is not None:
                 own.append(WeightbusError(f"{self.where()}: {why}"))
                 raise own[-1]
@@ -180,6 +197,23 @@ class SGLangWorker:
         if self.engine.version != version:
             raise WeightSyncError(f"{self.where()}: received version {self.engine.version}, "
                                   f"expected {version}")
+
+    def _check(self, model: torch.nn.Module, manifest: Manifest) -> tuple[str | None, Placement | None]:
+        """Why ``manifest`` would be refused, and where sharded, where its bytes land."""
+        if not self.dests.on:
+            return dry_run(model, manifest, self.partial), None
+        recorder = Recorder()
+        why = dry_run(model, manifest, self.partial, recorder)
+        if why is not None:
+            plain = dry_run(model, manifest, self.partial)
+            if plain is None:  # (the tracked stand-ins failed, not the update: tensors come whole)
+                _log.warning("weightbus: %s: recording where each tensor lands failed (%s); this "
+                             "manifest's tensors arrive whole", self.where(), why)
+            return plain, None
+        placement = recorder.result(manifest, _placeable)
+        _log.info("weightbus: %s: placement of manifest %#x: %s", self.where(), manifest.fingerprint,
+                  placement.describe())
+        return None, placement
 
     def digest(self, model: torch.nn.Module, cmd: dict[str, Any]) -> None:
         """Post a SHA-256 of every parameter this worker holds (SGLang's own names, this
@@ -202,6 +236,52 @@ class SGLangWorker:
                 engine.finalize(destroy_group=True)
             except Exception as e:  # noqa: BLE001 - nothing left to do with it
                 _log.warning("weightbus: %s: finalizing the engine: %s", self.where(), e)
+
+
+class _Regions:
+    """The engine's shard destinations in one TP worker: the layout recorded by the update's
+    dry run, and each received region written where SGLang's loaders would write it."""
+
+    def __init__(self, worker: SGLangWorker) -> None:
+        self.worker = worker
+        self.on = False
+        self.placement: tuple[int, Placement] | None = None  # (manifest fingerprint, placement)
+        self.loading: _Loading | None = None  # the update under way (a region touches the model)
+        self._filled: set[int] = set()  # layers whose constants this update wrote
+
+    def layout(self, manifest: Manifest) -> ShardLayout | None:
+        self._filled = set()
+        if self.placement is None or self.placement[0] != manifest.fingerprint:
+            return None
+        return self.placement[1].layout
+
+    def place(self, name: str, box: Box, data: torch.Tensor) -> None:
+        if self.placement is None:
+            raise WeightbusError(f"{self.worker.where()}: region {box} of {name!r} arrived, but no "
+                                 f"placement is recorded")
+        placement = self.placement[1]
+        if self.loading is not None:
+            self.loading.touched = True
+        with torch.no_grad():
+            for sc in placement.scatters.get(name, ()):
+                inner = sc.box.intersect(box)
+                if inner is None:
+                    continue
+                if id(sc.layer) not in self._filled:  # (what the loader writes beside the bytes:
+                    self._filled.add(id(sc.layer))  # a vocabulary's padding rows zeroed)
+                    for fill in placement.fills.get(sc.layer, ()):
+                        fill.apply(getattr(sc.layer, fill.param))
+                param = getattr(sc.layer, sc.param)
+                sc.view(param)[inner.within(sc.box)].copy_(data[inner.within(box)])
+
+
+def _placeable(layer: torch.nn.Module, param: str) -> str | None:
+    """Why a region recorded into ``param`` of ``layer`` cannot be written in place: a
+    quantized layer's method processes its weights after they load."""
+    method = getattr(layer, "quant_method", None)
+    if method is not None and not type(method).__name__.startswith("Unquantized"):
+        return f"{type(method).__name__} processes its weights after loading"
+    return None
 
 
 _WORKER = SGLangWorker()
@@ -246,16 +326,20 @@ def _default_loader() -> Any:
         return load
 
 
-def dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool = False) -> str | None:
+def dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool = False,
+            recorder: Recorder | None = None) -> str | None:
     """Run ``model.load_weights`` over meta tensors shaped like ``manifest``, every
     parameter's loader writing into a meta stand-in of it. Returns why the update would
     fail (a name no parameter takes, a shape a loader refuses, a parameter left out or
-    half filled), or None."""
+    half filled), or None. With a ``recorder``, the stand-ins are tracked: it records where
+    each region lands (:mod:`weightbus.integrations.placement`)."""
     params: dict[int, tuple[str, torch.Tensor]] = {}
+    owner: dict[int, tuple[torch.nn.Module, str, str]] = {}
     for mod_name, mod in model.named_modules():
         for pname, p in mod._parameters.items():
             if p is not None and id(p) not in params:
                 params[id(p)] = (f"{mod_name}.{pname}" if mod_name else pname, p)
+                owner[id(p)] = (mod, mod_name, pname)
     loaded = dict.fromkeys(params, 0)
     calls = [0]  # loader calls so far: a tensor that made none was taken by no parameter
     default = _default_loader()
@@ -267,7 +351,12 @@ def dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool = False) -
             if isinstance(w, torch.Tensor) and kind(w.dtype) != kind(meta.dtype):
                 raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
             with CopyCounter() as counter:
-                out = original(meta, *args, **kwargs)
+                if recorder is None:
+                    out = original(meta, *args, **kwargs)
+                else:
+                    mod, mod_name, pname = owner[key]
+                    out = recorder.loading(mod, mod_name, pname, meta, w,
+                                           lambda: original(meta, *args, **kwargs))
             loaded[key] += counter.numel
             return out
         return load
@@ -288,7 +377,8 @@ def dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool = False) -
         for m in manifest:
             before = calls[0]
             current[0] = m.describe()
-            yield m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")
+            yield m.name, (recorder.tracked(m.name, m.shape, m.dtype) if recorder is not None
+                           else torch.empty(m.shape, dtype=m.dtype, device="meta"))
             if calls[0] == before and not _skipped_on_purpose(model, m.name):
                 unknown.append(m.name)  # (read when the loader asks for the next one)
 

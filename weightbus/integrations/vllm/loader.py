@@ -33,8 +33,8 @@ import torch
 
 from weightbus.errors import WeightbusError
 from weightbus.integrations.dryrun import CopyCounter, kind, loader_of, meta_copy, some
+from weightbus.integrations.placement import Placement, Recorder
 from weightbus.integrations.vllm import compat
-from weightbus.integrations.vllm.placement import Placement, Recorder
 from weightbus.integrations.vllm.processing import (
     RebuildHooks,
     SelfCheck,

@@ -1,28 +1,28 @@
-"""Where each update tensor's bytes land in a vLLM model, recorded from vLLM's own weight
-loaders, once per manifest.
+"""Where each update tensor's bytes land in an inference engine's model (vLLM's, SGLang's),
+recorded from the engine's own weight loaders, once per manifest.
 
-The preflight (:mod:`.loader`) already runs ``model.load_weights`` over meta stand-ins of
-the update's tensors. Given a :class:`Recorder`, those stand-ins are :class:`_Tracked`
-tensors, which know the region (a :class:`~weightbus.packing.shards.Box`) of the update tensor
-they are: a loader that narrows, selects, chunks or indexes them (the row or column slice
-of a tensor-parallel layer, the q/k/v and gate/up pieces of a fused parameter, an
-expert's slot) gets a tracked child; its ``copy_`` into the parameter records a
-:class:`Scatter` (which region of which update tensor lands at which strided view of
-which parameter). A loader that does more than place bytes (transposes, permutes,
-casts, computes on them, copies from anything else, or runs outside a parameter's
-loader) makes that tensor a *fallback*: it is received whole and goes through vLLM's
-loader as before. The result, a :class:`Placement`, is this rank's
-:class:`~weightbus.packing.shards.ShardLayout` (what it keeps of each tensor), and what
-:meth:`.loader.VLLMModelLoader.place` replays for each received region.
+Each engine's preflight already runs ``model.load_weights`` over meta stand-ins of the
+update's tensors (:mod:`weightbus.integrations.vllm.loader`,
+:mod:`weightbus.integrations.sglang.worker`). Given a :class:`Recorder`, those stand-ins are
+:class:`_Tracked` tensors, which know the region (a :class:`~weightbus.packing.shards.Box`)
+of the update tensor they are: a loader that narrows, selects, chunks or indexes them (the
+row or column slice of a tensor-parallel layer, the q/k/v and gate/up pieces of a fused
+parameter, an expert's slot) gets a tracked child; its ``copy_`` into the parameter records
+a :class:`Scatter` (which region of which update tensor lands at which strided view of
+which parameter). A loader that does more than place bytes (transposes, permutes, casts,
+computes on them, copies from anything else, or runs outside a parameter's loader) makes
+that tensor a *fallback*: it is received whole and goes through the engine's loader as
+before. The result, a :class:`Placement`, is this rank's
+:class:`~weightbus.packing.shards.ShardLayout` (what it keeps of each tensor), and what the
+engine's side replays for each received region.
 
-Written against vLLM 0.32's loaders and layerwise reload; a vLLM without them places
-nothing (every tensor is a fallback), which is today's path.
+Written against vLLM 0.32's and SGLang 0.5.12's loaders (SGLang's are vLLM's, forked); an
+engine without them places nothing (every tensor is a fallback).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +33,6 @@ from torch.utils._pytree import tree_map
 
 from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
-
-_log = logging.getLogger("vllm.weightbus")
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ class Fill:
 class Placement:
     """What one manifest's dry run recorded: the scatters of every placed tensor, the
     constants loaders write beside them (by layer), and why each other tensor falls back
-    to a whole tensor through vLLM's loader."""
+    to a whole tensor through the engine's loader."""
 
     scatters: dict[str, list[Scatter]]
     fallbacks: dict[str, str]
@@ -86,7 +84,7 @@ class Placement:
         more = f", ... ({len(self.fallbacks) - 3} more)" if len(self.fallbacks) > 3 else ""
         regions = sum(map(len, self.scatters.values()))
         return (f"{len(self.scatters)} tensor(s) placed in {regions} region(s), {len(self.fallbacks)} "
-                f"through vLLM's loader" + (f": {some}{more}" if self.fallbacks else ""))
+                f"through the engine's loader" + (f": {some}{more}" if self.fallbacks else ""))
 
 
 class Recorder:
