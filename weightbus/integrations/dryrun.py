@@ -23,6 +23,28 @@ class CopyCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def load_into(meta: torch.Tensor, original: Any, args: tuple, kwargs: dict[str, Any],
+              recorder: Any = None, owner: tuple[torch.nn.Module, str, str] | None = None
+              ) -> tuple[Any, int]:
+    """One call of a parameter's loader (``original(param, *args, **kwargs)``) made into its
+    meta stand-in ``meta`` instead: the loaded tensor's kind checked first, the elements it
+    copies counted. With a :class:`~weightbus.integrations.placement.Recorder` (and the
+    parameter's ``owner``: its module, the module's name, the parameter's name), the call
+    runs under it, which records where each region lands. Returns ``(the loader's result,
+    the elements it copied)``."""
+    w = args[0] if args else kwargs.get("loaded_weight")
+    if isinstance(w, torch.Tensor) and kind(w.dtype) != kind(meta.dtype):
+        # a loader's copy_ would cast it silently (bools or integers into weights)
+        raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
+    with CopyCounter() as counter:
+        if recorder is None:
+            out = original(meta, *args, **kwargs)
+        else:
+            mod, mod_name, pname = owner  # type: ignore[misc]
+            out = recorder.loading(mod, mod_name, pname, meta, w, lambda: original(meta, *args, **kwargs))
+    return out, counter.numel
+
+
 def loader_of(t: torch.Tensor) -> Any:
     """A parameter's ``weight_loader`` (None if it has none)."""
     try:

@@ -43,7 +43,7 @@ from weightbus import config
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.errors import WeightbusError, WeightSyncError
 from weightbus.integrations import outcomes
-from weightbus.integrations.dryrun import CopyCounter, kind, loader_of, meta_copy, some
+from weightbus.integrations.dryrun import load_into, loader_of, meta_copy, some
 from weightbus.integrations.placement import Placement, Recorder
 from weightbus.packing.shards import Box, ShardLayout
 from weightbus.plan import Manifest
@@ -347,17 +347,8 @@ def dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool = False,
     def stand_in(key: int, original: Any, meta: torch.Tensor) -> Any:
         def load(param: Any, *args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
-            w = args[0] if args else kwargs.get("loaded_weight")
-            if isinstance(w, torch.Tensor) and kind(w.dtype) != kind(meta.dtype):
-                raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
-            with CopyCounter() as counter:
-                if recorder is None:
-                    out = original(meta, *args, **kwargs)
-                else:
-                    mod, mod_name, pname = owner[key]
-                    out = recorder.loading(mod, mod_name, pname, meta, w,
-                                           lambda: original(meta, *args, **kwargs))
-            loaded[key] += counter.numel
+            out, copied = load_into(meta, original, args, kwargs, recorder, owner[key])
+            loaded[key] += copied
             return out
         return load
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from weightbus.errors import WeightbusError
-from weightbus.integrations.dryrun import CopyCounter, kind, loader_of, meta_copy, some
+from weightbus.integrations.dryrun import load_into, loader_of, meta_copy, some
 from weightbus.integrations.placement import Placement, Recorder
 from weightbus.integrations.vllm import compat
 from weightbus.integrations.vllm.processing import (
@@ -416,18 +416,8 @@ def _dry_run(model: torch.nn.Module, manifest: Manifest, partial: bool,
 
     def stand_in_loader(key: int, original: Any, meta: torch.Tensor) -> Any:
         def load(param: Any, *args: Any, **kwargs: Any) -> Any:
-            w = args[0] if args else kwargs.get("loaded_weight")
-            if isinstance(w, torch.Tensor) and kind(w.dtype) != kind(meta.dtype):
-                # a loader's copy_ would cast it silently (bools or integers into weights)
-                raise TypeError(f"a {w.dtype} tensor cannot load into a {meta.dtype} parameter")
-            with CopyCounter() as counter:
-                if recorder is None:
-                    out = original(meta, *args, **kwargs)
-                else:
-                    mod, mod_name, pname = owner[key]
-                    out = recorder.loading(mod, mod_name, pname, meta, w,
-                                           lambda: original(meta, *args, **kwargs))
-            loaded[key] += counter.numel
+            out, copied = load_into(meta, original, args, kwargs, recorder, owner[key])
+            loaded[key] += copied
             return out
         return load
 
