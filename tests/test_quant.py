@@ -132,10 +132,21 @@ def test_gpu_kernel_gives_the_plain_path_bits(dtype):
     # full blocks of a tensor that starts off 16-byte alignment (no wide accesses)
     xs.append(torch.randn(1 + 256 * 384, device="cuda").to(dtype)[1:].view(256, 384))
     fmt = Fp8Format("block")
-    got = quantize_many([(fmt, x) for x in xs], cache={})
-    for x, (q, s) in zip(xs, got, strict=True):
-        rq, rs = fmt.quantize(x)  # the plain path (held to vLLM's bits in test_vllm_quant.py)
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs), x.shape
+    cache: dict = {}
+    # 1: set up, a chunk at a time; 2, 3: the same tensors changed in place (the call
+    # replayed: set up as one launch, then run again); 4: one tensor given new memory (set
+    # up again); 5: replayed
+    for step in (1, 2, 3, 4, 5):
+        if step in (2, 3, 5):
+            for x in xs:
+                x.mul_(1.5)
+        if step == 4:
+            xs[4] = xs[4].clone() * -1
+        got = quantize_many([(fmt, x) for x in xs], cache=cache)
+        for x, (q, s) in zip(xs, got, strict=True):
+            rq, rs = fmt.quantize(x)  # the plain path (held to vLLM's bits in test_vllm_quant.py)
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (step, x.shape)
+            assert torch.equal(s, rs), (step, x.shape)
 
 
 @gpu
@@ -159,7 +170,7 @@ def test_gpu_source_groups_bitwise_and_names_a_nan():
     source32 = QuantizedSource(ModuleSource(fp32, dtype=torch.bfloat16), workers_quant.SERVED, group_bytes=0)
     for _ in range(4):
         got = dict(source32)
-        assert len(source32.launches) <= len(workers_quant.SERVED)
+        assert len(source32.launches) <= 2 * len(workers_quant.SERVED)  # (a set-up and a replay a group)
     for name, fmt in workers_quant.SERVED.items():
         q, s = fmt.quantize(fp32.state_dict()[name].to(torch.bfloat16))
         assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))

@@ -11,14 +11,16 @@ import workers_trust
 from weightbus.runtime.local import spawn
 
 
-def _run(port, moves, dtype=None):
-    trainer, rollout = spawn(workers_trust.source_follows, 2, (port, moves, dtype), timeout=180)
+def _run(port, moves, dtype=None, many=0):
+    trainer, rollout = spawn(workers_trust.source_follows, 2, (port, moves, dtype, many), timeout=180)
     return trainer, rollout
 
 
-def test_a_source_built_once_follows_every_way_of_moving_memory(port):
-    moves = ["step", "data", "step", "assign", "setattr", "step"]
-    trainer, rollout = _run(port, moves)
+# many: 1,500 tensors more, so the pointer pass is the C++ one (packing/pointers.cpp)
+@pytest.mark.parametrize("many", [0, 1500])
+def test_a_source_built_once_follows_every_way_of_moving_memory(port, many):
+    moves = ["step", "data", "step", "assign", "setattr", "step", "data"]
+    trainer, rollout = _run(port, moves, many=many)
     previous = None
     for k, (sent, got) in enumerate(zip(trainer, rollout, strict=True), start=1):
         assert "ok" in sent and "ok" in got, (moves[k - 1], sent, got)

@@ -26,6 +26,8 @@ def _move(model: Mixed, how: str, k: int) -> None:
         if how == "data":  # p.data = new tensor (some optimizers, FSDP's resharding)
             model.proj.weight.data = torch.randn(model.proj.weight.shape, generator=g)
             model.steps.data = model.steps + 7  # a buffer too
+            if hasattr(model, "extra"):  # one of many
+                model.extra[k * 37 % len(model.extra)].data = torch.randn(3, generator=g)
         elif how == "assign":  # load_state_dict(..., assign=True): new Parameter objects
             sd = {n: (t * 2 if t.is_floating_point() else t).clone() for n, t in model.state_dict().items()}
             model.load_state_dict(sd, assign=True)
@@ -40,16 +42,23 @@ def _move(model: Mixed, how: str, k: int) -> None:
             model.proj.register_parameter("bias", None)
 
 
-def source_follows(rank: int, port: int, moves: list[str], dtype: str | None):
+def source_follows(rank: int, port: int, moves: list[str], dtype: str | None, many: int = 0):
     """Trainer (rank 0) builds ``ModuleSource(model)`` once and sends after each move; the
     rollout (rank 1) receives every update. Returns, per update, the trainer's digests of
-    what it meant to send (or its error) and what the rollout received (or its error)."""
+    what it meant to send (or its error) and what the rollout received (or its error).
+    ``many``: that many small parameters more, so the source's pointer pass is the native
+    one (weightbus.packing.native.data_ptrs), built before the first update."""
     torch.set_num_threads(1)
+    if many:
+        from weightbus.packing import native
+        assert many >= native.NATIVE_POINTERS_MIN and native.pointer_library(wait=True) is not None
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
     engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 14, timeout=30,
                                           role="trainer" if rank == 0 else "rollout")
     connect(engine, rdv, 1, 1)
     model = Mixed()
+    if many:
+        model.extra = nn.ParameterList([nn.Parameter(torch.full((3,), float(i))) for i in range(many)])
     wire = getattr(torch, dtype) if dtype else None
     source = ModuleSource(model, dtype=wire)
     out = []

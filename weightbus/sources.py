@@ -19,6 +19,7 @@ from torch import nn
 
 from weightbus import comm, config
 from weightbus.errors import PlanError
+from weightbus.packing import native
 from weightbus.plan import Manifest, TensorMeta, share_of, unsendable
 
 NameMap = Callable[[str], "str | None"]
@@ -345,10 +346,7 @@ class _Live:
 
     @staticmethod
     def _pointers(present: list[Any]) -> np.ndarray:
-        try:  # (one C-level pass; a DTensor has no data pointer of its own: its shard's)
-            return np.fromiter(map(torch.Tensor.data_ptr, present), np.int64, len(present))
-        except RuntimeError:
-            return np.fromiter(map(_data_ptr_of, present), np.int64, len(present))
+        return native.data_ptrs(present)  # (one C-level pass; a DTensor's: its shard's)
 
     def seen(self) -> None:
         """Take the tensors as they are now as the ones followed."""
@@ -373,10 +371,6 @@ def _get(table: Any, key: str) -> Any:
         return table[key]
     except KeyError:
         return None
-
-
-def _data_ptr_of(t: torch.Tensor) -> int:
-    return _local(t).data_ptr()
 
 
 class _FlatGather:

@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightbus import comm
@@ -47,7 +48,7 @@ from weightbus.engines.api import (
 from weightbus.engines.bucket import BucketEngine
 from weightbus.engines.streams import StreamBroken, fetch, resolve_stream
 from weightbus.errors import PlanError, WeightSyncError
-from weightbus.packing import buffers
+from weightbus.packing import buffers, native
 from weightbus.plan import Bucket, BucketPlan, Manifest
 
 _DONE = object()
@@ -79,7 +80,7 @@ class ColocatedEngine(BucketEngine):
         self._acked = 0  # trainer: acks issued so far
         self.n_trainers = 1
         self._direct = False
-        self._exported: list[int] = []  # direct mode, rollout: where its exported tensors were
+        self._exported = np.zeros(0, np.int64)  # direct mode, rollout: where its exported tensors were
         self._moved = False  # direct mode, rollout: they are elsewhere now (said in the header)
         self._targets: list[dict[str, torch.Tensor]] = []  # trainer: each peer's targets
         self._pair: Any = None  # gloo group: this trainer and its rollout ranks (ready/ack)
@@ -474,8 +475,8 @@ class ColocatedEngine(BucketEngine):
                 torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
         return error, manifest.nbytes * len(self._targets), 0
 
-    def _pointers(self) -> list[int]:
-        return [t.data_ptr() for t in (self._dest or {}).values()]
+    def _pointers(self) -> np.ndarray:
+        return native.data_ptrs(list((self._dest or {}).values()))
 
     def _header_flag(self) -> int | None:
         """Direct mode: the trainer writes through the handles a rollout exported at
@@ -486,7 +487,7 @@ class ColocatedEngine(BucketEngine):
         group is formed again (``prepare()``)."""
         if not self._direct:
             return None
-        self._moved = self.role == "rollout" and self._pointers() != self._exported
+        self._moved = self.role == "rollout" and not np.array_equal(self._pointers(), self._exported)
         return int(self._moved)
 
     def _before_bytes(self, version: int, error: str | None) -> str | None:

@@ -41,7 +41,7 @@ import torch
 
 from weightbus.engines.streams import Stream, StreamBroken, fetch
 from weightbus.errors import PlanError, TransferFailed, WeightSyncError
-from weightbus.packing import buffers
+from weightbus.packing import buffers, native
 from weightbus.packing.buffers import CopyList
 from weightbus.packing.shards import Box, Piece, ShardBucket, ShardLayout, ShardPlan
 from weightbus.plan import Manifest
@@ -124,7 +124,7 @@ class Placed:
                             + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else ""))
 
     def _pointers(self) -> np.ndarray:
-        return np.fromiter(map(torch.Tensor.data_ptr, self._dsts), np.int64, len(self._dsts))
+        return native.data_ptrs(self._dsts)
 
     def region(self, name: str, box: Box) -> torch.Tensor:
         """The destination view of ``box``. Destinations that have this method are fixed:
@@ -266,7 +266,7 @@ class _Pack:
 
     def run(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> None:
         tensors = list(map(held.__getitem__, self.tensors))
-        seen = (np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors)),
+        seen = (native.data_ptrs(tensors),
                 list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
                 list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors)))
         last = self._seen

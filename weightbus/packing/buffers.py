@@ -258,7 +258,6 @@ def copy_group(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
 LARGE_COPY = 16 << 20
 
 
-_data_ptr = torch.Tensor.data_ptr
 _nbytes = operator.attrgetter("nbytes")
 
 
@@ -272,14 +271,14 @@ class TabledCopy:
 
     def __init__(self, dsts: list[torch.Tensor]):
         self._dsts = dsts
-        self._dst = np.fromiter(map(_data_ptr, dsts), np.int64, len(dsts))
+        self._dst = native.data_ptrs(dsts)
         self._srcs: list[torch.Tensor] | None = None
         self._src = self._dst[:0]
 
     def table(self, srcs: list[torch.Tensor]) -> bool:
         """Table the sources for :meth:`copy`; False (nothing tabled) unless every source
         fits its destination."""
-        src = np.fromiter(map(_data_ptr, srcs), np.int64, len(srcs))
+        src = native.data_ptrs(srcs)
         last = self._srcs
         if last is None or not np.array_equal(src, self._src) or not all(map(operator.is_, srcs, last)):
             self._srcs = None
@@ -339,7 +338,7 @@ def _device_copy(dsts: list[torch.Tensor]) -> Any:
     if not dsts or dsts[0].device.type != "cuda" or os.environ.get("WEIGHTBUS_DEVICE_COPY", "1") == "0":
         return None
     try:
-        from weightbus import copy_triton  # (Triton imported on first use: slow to import)
+        from weightbus.packing import copy_triton  # (Triton imported on first use: slow to import)
     except ImportError:
         return None
     return copy_triton.DeviceCopy(dsts) if copy_triton.DeviceCopy.usable(dsts) else None

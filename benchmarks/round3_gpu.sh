@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 52, round three: the host's pointer passes in C++ and quantization replayed, A/B on
+# one GPU (an H200 holds cd30f's fp32 model beside its bf16 copy; an H100 does not):
+#   STEPS="cd30 c30 cd30f quant" SIDES="503f8e8 c307cfa new" bash benchmarks/round3_gpu.sh
+# Older trees under _old/<commit>/ (see ab_hotpath.sh), carried to the device.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# the pointer extension, built before any timed row (a process takes Python's pass until it is)
+PYTHONPATH=$PWD python -c "
+import time; from weightbus.packing import native; t = time.time(); lib = native.pointer_library(wait=True)
+print('pointer extension:', 'built' if lib else 'NOT BUILT', f'in {time.time() - t:.1f} s')"
+SIDES=${SIDES:-"c307cfa new c307cfa new c307cfa new"}
+for step in ${STEPS:-cd30 c30 cd30f quant}; do
+  case $step in
+    quant)  # block fp8 of 30b-a3b's served weights, 24 layers; five runs of each side
+      for side in $SIDES; do
+        dir=$PWD; [ "$side" != new ] && dir=$PWD/_old/$side
+        PYTHONPATH=$dir timeout 200 python benchmarks/quant_fp8.py --preset 30b-a3b --layers 24 --iters 5 \
+          2>&1 | grep -E "^30b" | sed "s/^/quant $side: /"
+      done ;;
+    *) ROWS=$step SIDES=$SIDES bash benchmarks/ab_hotpath.sh ;;
+  esac
+done
