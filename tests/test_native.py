@@ -103,3 +103,18 @@ def test_switched_off_it_is_python_s_pass(monkeypatch):
     assert native.pointer_library() is None
     ts = _tensors(native.NATIVE_POINTERS_MIN)
     assert native.data_ptrs(ts).tolist() == [t.data_ptr() for t in ts]
+
+
+def test_without_a_compiler_it_warns_once_and_takes_python_s_pass(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, logging; logging.basicConfig()\n"
+            "from weightbus.packing import native\n"
+            "assert native.pointer_library(wait=True) is None\n"
+            "ts = [torch.zeros(2) for _ in range(2000)]\n"
+            "assert native.data_ptrs(ts).tolist() == [t.data_ptr() for t in ts]\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("the pointer extension did not build") == 1, done.stderr
