@@ -36,7 +36,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run(preset: str, layers: int | None, kind: str, device: torch.device, iters: int,
-        plain_too: bool = True) -> dict:
+        plain_too: bool = True, each: bool = False) -> dict:
     shapes = [(n, s) for n, s in presets.shapes(preset, layers) if served(n, s)]
     numel = [s[0] * s[1] for _, s in shapes]
     flat = torch.randn(sum(numel), device=device, dtype=torch.bfloat16)
@@ -47,16 +47,18 @@ def run(preset: str, layers: int | None, kind: str, device: torch.device, iters:
     scales = [torch.empty(fmt.scale_shape(s), dtype=torch.float32, device=device) for _, s in shapes]
     cast = torch.empty(flat.shape, dtype=FP8, device=device)
 
-    def timed(fn) -> float:
+    def timed(fn, name: str = "") -> float:
         fn()
         _sync(device)
-        best = float("inf")
+        times = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+            times.append(time.perf_counter() - t0)
+        if each and name:
+            print(f"  {name}, each iteration ms: " + " ".join(f"{t * 1e3:.1f}" for t in times))
+        return min(times)
 
     def plain() -> None:  # a tensor at a time, torch ops (the CPU path)
         for w, o, s in zip(weights, outs, scales, strict=True):
@@ -64,8 +66,17 @@ def run(preset: str, layers: int | None, kind: str, device: torch.device, iters:
 
     items = [(fmt, w) for w in weights]
     cache: dict = {}  # (what QuantizedSource keeps across updates)
-    floor = timed(lambda: cast.copy_(flat))
-    ours_s = timed(lambda: quantize_many(items, cache))
+    floor = timed(lambda: cast.copy_(flat), "floor")
+    ours_s = timed(lambda: quantize_many(items, cache), "quantize_many")
+    if each and device.type == "cuda":  # where one more call's time goes: its kernels' share
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            quantize_many(items, cache)
+            _sync(device)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        print("  one more call, GPU time by kernel: " + "; ".join(
+            f"{e.key[:40]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in
+            sorted(kernels, key=lambda e: -e.device_time_total)[:4]))
     plain_s = timed(plain) if plain_too else float("nan")
     # what runs at an update: QuantizedSource over a module's weights, iterated to the end
     # (its groups, the NaN check, the yields), against iterating the bare source
@@ -88,6 +99,7 @@ def main() -> None:
     p.add_argument("--kind", action="append", choices=["block", "channel", "tensor"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--each", action="store_true", help="print every iteration's time, and profile one call")
     a = p.parse_args()
     device = torch.device(a.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -97,7 +109,7 @@ def main() -> None:
           f"{'source ms':>9} {'bare ms':>8}")
     for preset in a.preset or ["30b-a3b"]:
         for kind in a.kind or ["block"]:
-            r = run(preset, a.layers, kind, device, a.iters)
+            r = run(preset, a.layers, kind, device, a.iters, each=a.each)
             print(f"{r['preset']:<14} {str(r['layers'] or 'all'):>6} {r['kind']:<7} {r['tensors']:>7} "
                   f"{r['gb_bf16']:>8.2f} {r['ours_s'] * 1e3:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
                   f"{r['ours_s'] / r['floor_s']:>6.2f}x {r['ours_gbps']:>10.0f} {r['floor_gbps']:>10.0f} "
