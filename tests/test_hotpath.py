@@ -46,3 +46,39 @@ def test_update_work_grows_with_buckets_not_tensors(backend, port):
                 f"in the hot path works per tensor")
     for got in (few, many):  # delivered, bitwise (sharded: each rank its half)
         assert got[0]["sum"] == sum(r["sum"] for r in got[1:]), got
+
+
+@GPU
+def test_fp8_quantization_of_unmoved_tensors_does_not_grow_with_them():
+    """A warm ``quantize_many`` over a model's unmoved weights (what ``QuantizedSource`` runs
+    at every update) replays its launch: counted for 1,000 and 4,000 weights of the same
+    bytes, and bitwise the plain path's."""
+    pytest.importorskip("triton")
+    from workers_hotpath import counted
+
+    from weightbus.quant import Fp8Format, quantize_many
+    fmt = Fp8Format("block")
+    counts = []
+    for n in (FEW, MANY):
+        rows = (BYTES // 2) // n // 128  # (elements per weight, in rows of 128)
+        xs = [torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        items = [(fmt, x) for x in xs]
+        cache: dict = {}
+        for _ in range(2):  # (set up, then the first replay's one launch)
+            quantize_many(items, cache)
+        for x in xs:
+            x.mul_(1.5)
+        got: list = []
+
+        def call(items=items, cache=cache, got=got) -> None:  # noqa: ANN001
+            got.extend(quantize_many(items, cache))
+
+        counts.append(counted(call))
+        for x, (q, s) in zip(xs[::97], got[::97], strict=True):
+            rq, rs = fmt.quantize(x)
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    for what in ("lines", "calls", "ops"):
+        grown = counts[1][what] - counts[0][what]
+        assert grown <= PER_TENSOR * (MANY - FEW), (
+            f"fp8: a warm call's {what} grew by {grown} for {MANY - FEW} more weights "
+            f"({counts[0][what]} -> {counts[1][what]}): something works per tensor")

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
+from weightbus.packing import native
 from weightbus.packing.shards import chunk_box, tp_placements
 from weightbus.runtime.local import Rendezvous, connect
 
@@ -63,6 +64,7 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
     counts of the third update, and a checksum of what this rank holds to compare."""
     trainer = rank == 0
     name, _, mode = backend.partition("-")  # colocated-direct: the GPU's direct mode
+    native.pointer_library(wait=True)  # (counted as it runs once built: not while it builds)
     tp = 2 if mode == "sharded" else 1
     rdv = Rendezvous("127.0.0.1", port, rank, 1 + tp, timeout=60)
     n = tensor_bytes // 2

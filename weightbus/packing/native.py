@@ -204,7 +204,9 @@ def data_ptrs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     DTensor (a wrapper with no bytes of its own) its local shard's; in one C++ call for long
     lists (~30 ns a tensor against ~150). A TypeError for an item that is not a tensor."""
     n = len(tensors)
-    if n >= NATIVE_POINTERS_MIN and (lib := _extension.module or pointer_library()) is not None \
+    # (while it builds, in this process: Python's pass, without asking again)
+    if n >= NATIVE_POINTERS_MIN and (lib := _extension.module or (
+            None if _extension.pid == os.getpid() else pointer_library())) is not None \
             and os.environ.get("WEIGHTBUS_NATIVE_POINTERS", "1") not in _OFF:
         out = np.empty(n, np.int64)
         lib.data_ptrs(tensors, out.ctypes.data)
