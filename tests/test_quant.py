@@ -150,6 +150,21 @@ def test_gpu_kernel_gives_the_plain_path_bits(dtype):
 
 
 @gpu
+def test_fp8_updates_from_a_gpu_in_bulk_bitwise(port):
+    """A CUDA trainer's source built once: its weights quantized in bulk at every update
+    (one replayed launch from the second), the same list handed again on the third."""
+    logs = spawn(workers_quant.fp8_updates, 2, ("gloo", 1, 1, port, "bfloat16", True), timeout=240)
+    previous = None
+    for k in range(3):
+        expected = logs[0][k]["expected"]
+        assert logs[1][k]["got"] == expected, f"update {k + 1}"
+        assert expected != previous
+        previous = expected
+    bulk = [u["bulk"] for u in logs[0]]
+    assert None not in bulk and bulk[1] == bulk[2], bulk
+
+
+@gpu
 def test_gpu_source_groups_bitwise_and_names_a_nan():
     model = workers_quant.Trainer(torch.bfloat16).cuda()
     for group in (1 << 30, 0):

@@ -32,7 +32,7 @@ class Trainer(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 mask = torch.rand(p.shape, generator=g) < 0.3  # some blocks keep their scale
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.02 * mask)
+                p.add_((torch.randn(p.shape, generator=g).to(p.dtype) * 0.02 * mask).to(p.device))
             self.q.weight[5].zero_()
 
 
@@ -55,21 +55,29 @@ SERVED = {"q.weight": Fp8Format("block"), "up.weight": Fp8Format("channel"),
           "down.weight": Fp8Format("tensor")}
 
 
-def fp8_updates(rank: int, backend: str, T: int, R: int, port: int, trainer_dtype: str):
+SERVED_BLOCK = {n: Fp8Format("block") for n in SERVED}
+
+
+def fp8_updates(rank: int, backend: str, T: int, R: int, port: int, trainer_dtype: str, gpu: bool = False):
     """The rollout declares its formats (read off its model); the trainers quantize on the
-    way; every update lands bitwise as the quantizer makes it, in half the bytes."""
+    way; every update lands bitwise as the quantizer makes it, in half the bytes. ``gpu``:
+    the trainer's model on the GPU, every weight served in blocks, one source built once
+    (its tensors quantized in bulk: ``plain_tensors``, replayed from the second update)."""
     torch.set_num_threads(1)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     engine = new_engine(backend, rank >= T, bucket_size=1 << 14, timeout=30)
     connect(engine, rdv, T, R)
-    state = rollout_state(SERVED) if rank >= T else None
+    state = rollout_state(SERVED_BLOCK if gpu else SERVED) if rank >= T else None
     declared = rdv.all_gather(module_formats(state) if rank == T else None)[T]  # the rollout says
     model = Trainer(getattr(torch, trainer_dtype))
+    if gpu and rank < T:
+        model = model.cuda()
+        once = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), declared)
     out = []
     for k in (1, 2, 3):
         model.step(k)
         if rank < T:
-            source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), declared)
+            source = once if gpu else QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), declared)
             result = asyncio.run(engine.send_weights(source, version=k))
             expected = {}
             for name, t in model.state_dict().items():
@@ -82,7 +90,8 @@ def fp8_updates(rank: int, backend: str, T: int, R: int, port: int, trainer_dtyp
             served = sum(t.numel() * 2 for n, t in model.state_dict().items() if n in declared)
             as_is = sum(t.numel() * 2 for n, t in model.state_dict().items() if n not in declared)
             # the declared weights' share of the wire, against their bf16 bytes
-            out.append({"expected": expected, "fp8_bytes": result.bytes - as_is, "bf16_bytes": served})
+            out.append({"expected": expected, "fp8_bytes": result.bytes - as_is, "bf16_bytes": served,
+                        "bulk": id(source._last[2]) if source._last is not None else None})
         else:
             report = asyncio.run(ModuleSink(state).load(engine.receive_weights()))
             assert report.ok, report.describe()
