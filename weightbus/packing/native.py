@@ -207,7 +207,7 @@ def data_ptrs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     # (while it builds, in this process: Python's pass, without asking again)
     if n >= NATIVE_POINTERS_MIN and (lib := _extension.module or (
             None if _extension.pid == os.getpid() else pointer_library())) is not None \
-            and os.environ.get("WEIGHTBUS_NATIVE_POINTERS", "1") not in _OFF:
+            and os.environ.get("WEIGHTBUS_NATIVE_POINTERS", "1").strip().lower() not in _OFF:
         out = np.empty(n, np.int64)
         lib.data_ptrs(tensors, out.ctypes.data)
         return out

@@ -172,13 +172,16 @@ def quantize_many(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | Non
     ``_CHUNK`` bytes, the rest through the plain path a tensor at a time. With ``cache`` (a
     dict the caller keeps), a list of the same tensors as a previous call reuses that
     call's set-up and output buffers (so the last call's outputs are overwritten)."""
+    looked = None
     if cache is not None and items:  # (every item a replay's: nothing looked at per tensor)
-        replay = _looked_up(items, cache)[4]
-        if replay is not None:
-            return replay.run(cache)[0]
+        looked = _looked_up(items, cache)
+        if looked[4] is not None:
+            return looked[4].run(cache)[0]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
     fitting = [k for k, (fmt, t) in enumerate(items) if _kernel_fits(fmt, t)]
-    for k, got in zip(fitting, _quantize_fitting([items[k] for k in fitting], cache)[0], strict=True):
+    if len(fitting) < len(items):
+        looked = None  # (it was of all the items: the kernel's are fewer)
+    for k, got in zip(fitting, _quantize_fitting([items[k] for k in fitting], cache, looked)[0], strict=True):
         out[k] = got
     for k, (fmt, t) in enumerate(items):
         if out[k] is None:
@@ -196,9 +199,9 @@ class _Replay:
     tensors of each block size and dtype (a launch per chunk costs ~30 us of host a time:
     ~450 of them for a 30B MoE, as long as its kernel)."""
 
-    def __init__(self, items: list[tuple[Fp8Format, torch.Tensor]], fmts: list[Fp8Format],
-                 ts: list[torch.Tensor], ptrs: Any, chunks: list[tuple[Any, Any]]):
-        self.items, self.fmts, self.ts, self.ptrs = items, fmts, ts, ptrs  # (held: not freed, not reused)
+    def __init__(self, fmts: list[Fp8Format], ts: list[torch.Tensor], ptrs: Any,
+                 chunks: list[tuple[Any, Any]]):
+        self.fmts, self.ts, self.ptrs = fmts, ts, ptrs  # (the tensors held: not freed, not reused)
         self.chunks = chunks  # (cache key, launch) of the first call's chunks
         self.launches: list[Any] = []
         self.out: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -213,9 +216,10 @@ class _Replay:
             for key, _ in self.chunks:
                 cache.pop(key, None)
             self.chunks = []
-            self.out = [None] * len(self.items)  # type: ignore[list-item]
-            for (block, _, _), ks in _groups(self.items).items():
-                launch = _launch([self.items[k] for k in ks], block, None)[1]
+            items = list(zip(self.fmts, self.ts, strict=True))
+            self.out = [None] * len(items)  # type: ignore[list-item]
+            for (block, _, _), ks in _groups(items).items():
+                launch = _launch([items[k] for k in ks], block, None)[1]
                 self.launches.append(launch)
                 self.flats.append(launch.scale_flat)
                 for k, q, sc in zip(ks, launch.outs, launch.scales, strict=True):
@@ -246,13 +250,14 @@ def _looked_up(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict) -> tupl
     return key, fmts, ts, ptrs, replay if fits else None
 
 
-def _quantize_fitting(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | None
+def _quantize_fitting(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict | None,
+                      looked: tuple[Any, ...] | None = None
                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    # (items that all fit the kernel.) Returns the (payload, scale) of each, and the flat
-    # buffers holding every scale.
+    # (items that all fit the kernel; ``looked``: their :func:`_looked_up`, where the caller
+    # made it.) Returns the (payload, scale) of each, and the flat buffers holding every scale.
     if cache is None or not items:
         return _quantize_fresh(items, cache, [])
-    key, fmts, ts, ptrs, replay = _looked_up(items, cache)
+    key, fmts, ts, ptrs, replay = looked or _looked_up(items, cache)
     if replay is not None:
         return replay.run(cache)
     chunks: list[tuple[Any, Any]] = []
@@ -260,7 +265,7 @@ def _quantize_fitting(items: list[tuple[Fp8Format, torch.Tensor]], cache: dict |
     if not isinstance(cache, LaunchCache):  # (a plain dict: this call's earlier tensors go)
         for stale in [k for k, v in cache.items() if isinstance(v, _Replay) and k[2] == len(items)]:
             del cache[stale]
-    cache[key] = _Replay(list(items), fmts, ts, ptrs, chunks)
+    cache[key] = _Replay(fmts, ts, ptrs, chunks)
     return out, flats
 
 
@@ -447,11 +452,12 @@ class QuantizedSource:
         if held is None or not self._fmts:
             return held
         items = list(zip(self._fmts, self._take(held), strict=True))
-        replay = _looked_up(items, self.launches)[4]
+        looked = _looked_up(items, self.launches)
+        replay = looked[4]
         if replay is not None:
             out, flats = replay.run(self.launches)
         elif all(t.dtype == w and _kernel_fits(f, t) for (f, t), w in zip(items, self._wires, strict=True)):
-            out, flats = _quantize_fitting(items, self.launches)
+            out, flats = _quantize_fitting(items, self.launches, looked)
         else:
             return None
         if isinstance(self.launches, LaunchCache):
