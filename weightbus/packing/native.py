@@ -137,6 +137,7 @@ _data_ptr = torch.Tensor.data_ptr
 #: Lists shorter than this take Python's pass (under ~0.15 ms): the extension is built only
 #: for a process that follows this many tensors.
 NATIVE_POINTERS_MIN = 1024
+_BUILD_WAIT = 660.0  # seconds ``pointer_library(wait=True)`` waits at most (then: None)
 
 
 class _Extension:
@@ -158,7 +159,7 @@ class _Extension:
                 self.thread.start()
             thread = self.thread
         if wait:
-            thread.join()
+            thread.join(_BUILD_WAIT)  # (the compiler's own limit is 300 s, a peer's lock as long)
         return self.module
 
     def _load(self) -> None:
@@ -189,8 +190,9 @@ _extension = _Extension()
 
 
 def pointer_library(wait: bool = False) -> Any:
-    """The loaded pointer extension, or None while it builds (``wait``: until it is built),
-    where it cannot be built, or with ``WEIGHTBUS_NATIVE_POINTERS=0``."""
+    """The loaded pointer extension, or None while it builds (``wait``: until it is built,
+    at most ``_BUILD_WAIT`` seconds), where it cannot be built, or with
+    ``WEIGHTBUS_NATIVE_POINTERS=0``."""
     if not config.flag("WEIGHTBUS_NATIVE_POINTERS", True):
         return None
     return _extension.get(wait)
