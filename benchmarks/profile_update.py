@@ -4,9 +4,13 @@ after a warm-up, in each process, for a stress preset (many small tensors) or a 
     python benchmarks/profile_update.py --backend gloo --tensors 100000 --tensor-bytes 1024
     python benchmarks/profile_update.py --backend colocated --tensors 20000
     python benchmarks/profile_update.py --backend colocated --direct --preset 30b-a3b --layers 24  (GPU)
+    python benchmarks/profile_update.py --backend colocated --preset 30b-a3b --layers 24 --timeline  (GPU)
 
 Prints the top functions by own time on the trainer and the rollout (CPU machines:
-gloo / shared memory; the same code runs on a GPU).
+gloo / shared memory; the same code runs on a GPU). With ``--timeline`` (GPU), a second
+warm update runs under torch's profiler instead: each side's GPU time (its kernels and
+copies, as a union of intervals), the span from its first to its last, and its top kernels,
+which shows how much of an update the GPU is busy and whose work it is.
 """
 
 from __future__ import annotations
@@ -25,8 +29,38 @@ from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.tools.bench import _update_fn
 
 
+def _timeline(update) -> str:
+    """One update under torch's profiler: this process's GPU work, busy time and span."""
+    from torch.profiler import ProfilerActivity, profile
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        update()
+    wall = (time.perf_counter() - t0) * 1e3
+    spans = sorted((e.time_range.start, e.time_range.end) for e in p.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end, first, last = 0.0, None, None, None
+    for s, e in spans:
+        first = s if first is None else first
+        last = e if last is None else max(last, e)
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    by: dict[str, list[float]] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by.setdefault(e.name[:70], []).append((e.time_range.end - e.time_range.start) / 1e3)
+    lines = [f"  wall {wall:.1f} ms; GPU busy {busy / 1e3:.2f} ms in {len(spans)} operations, "
+             f"first to last {((last or 0) - (first or 0)) / 1e3:.2f} ms"]
+    for name, ms in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        lines.append(f"  {sum(ms):8.2f} ms  x{len(ms):<5} {name}")
+    return "\n".join(lines)
+
+
 def worker(rank: int, backend: str, preset: str, layers: int | None, direct: bool, port: int,
-           top: int) -> str:
+           top: int, timeline: bool = False) -> str:
     trainer = rank == 0
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
     shapes = presets.shapes(preset, layers)
@@ -55,6 +89,10 @@ def worker(rank: int, backend: str, preset: str, layers: int | None, direct: boo
         rdv.all_gather(None)
         update()
     rdv.all_gather(None)
+    if timeline and gpu:
+        text = _timeline(update)
+        engine.finalize(destroy_group=True)
+        return f"=== {'trainer' if trainer else 'rollout'} (GPU timeline of one warm update)\n{text}"
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -76,6 +114,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--direct", action="store_true", help="colocated: direct mode (GPU)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeline", action="store_true", help="GPU: torch's profiler, not cProfile")
     a = ap.parse_args()
     preset = a.preset or presets.stress(a.tensors, a.tensor_bytes)
     import socket
@@ -83,7 +122,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    for text in spawn(worker, 2, (a.backend, preset, a.layers, a.direct, port, a.top), timeout=600):
+    args = (a.backend, preset, a.layers, a.direct, port, a.top, a.timeline)
+    for text in spawn(worker, 2, args, timeout=600):
         print(text)
     del store
 

@@ -50,7 +50,7 @@ PHASES = ["formation", "header", "mid-update", "final-status"]
 
 
 def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bool = False,
-             sharded: bool = False) -> tuple[dict, list]:
+             sharded: bool = False, gpu: bool = False) -> tuple[dict, list]:
     """Ranks 0-2 in ``workers_faults.peer_lost``, rank ``lost`` lost at ``phase``: every
     survivor's report (each must report), and the processes (all ended).
 
@@ -59,26 +59,26 @@ def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bo
     loaded by the suite's other workers can starve a new trainer's store past a 2.5 s
     formation deadline (seen once in CI); a fault that breaks the set-up fails both runs."""
     survivors = {r for r in range(3) if r != lost}
-    results, procs = _lose_once(port, backend, lost, phase, how, delta, sharded)
+    results, procs = _lose_once(port, backend, lost, phase, how, delta, sharded, gpu)
     if phase != "formation" and not any(r["first"] == "ok" for r in results.values()):
         print(f"the healthy first update failed on every rank ({results}): once more")
         buffers.sweep_stale_segments()  # (the first run's segments, if its trainer died)
         fresh = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # (new keys)
-        results, procs = _lose_once(fresh.port, backend, lost, phase, how, delta, sharded)
+        results, procs = _lose_once(fresh.port, backend, lost, phase, how, delta, sharded, gpu)
         del fresh
     assert set(results) == survivors, results
     return results, procs
 
 
 def _lose_once(port: int, backend: str, lost: int, phase: str, how: str, delta: bool,
-               sharded: bool) -> tuple[dict, list]:
+               sharded: bool, gpu: bool = False) -> tuple[dict, list]:
     # (spawned, not forked from the suite's server: with 2.5 s deadlines, forked workers that
     # all start at once on a loaded 2-core host missed the first update's formation in CI)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = (port, backend, lost, phase, how, DEADLINE, out)
     procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args),
-                         kwargs={"delta": delta, "sharded": sharded}) for r in range(3)]
+                         kwargs={"delta": delta, "sharded": sharded, "gpu": gpu}) for r in range(3)]
     for p in procs:
         p.start()
     survivors = {r for r in range(3) if r != lost}
@@ -100,13 +100,13 @@ def _lose_once(port: int, backend: str, lost: int, phase: str, how: str, delta: 
     return results, procs
 
 
-def check_peer_lost(port: int, backend: str, phase: str, who: str, how: str) -> None:
+def check_peer_lost(port: int, backend: str, phase: str, who: str, how: str, gpu: bool = False) -> None:
     """1 trainer, 2 rollouts. After one good update a peer (the trainer, or rollout 2) is
     SIGKILLed or SIGSTOPped at ``phase`` of the next; every survivor raises within the
     deadline naming the phase, claims no version it does not hold, and the trainer's
     shared memory is gone from /dev/shm (colocated)."""
     lost = 0 if who == "trainer" else 2
-    results, procs = lose_one(port, backend, lost, phase, how)
+    results, procs = lose_one(port, backend, lost, phase, how, gpu=gpu)
     if backend in ("mooncake", "nixl") and who == "rollout" and phase != "formation":
         # each replica has its own group (nixl: rollout 2 is last in the chain, so nothing
         # is below it): the other one completes the update, bitwise

@@ -103,6 +103,53 @@ def test_colocated_direct_into_rollout_tensors(port):
     _check(port, "colocated", False, direct=True)
 
 
+def slow_consumer_worker(rank: int, port: int):
+    """The CUDA IPC ring with a rollout whose copies out of each bucket queue behind a
+    long GPU sleep: neither side synchronizes per bucket (the slots' events say when a copy
+    ran), so a trainer that reused a slot before the rollout's copy out of it ran would
+    tear the update. 1 MiB buckets, 2 slots, 3 updates that change every tensor."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    engine = CheckpointEngineRegistry.new("colocated", bucket_size=1 << 20, device=device, timeout=120,
+                                          num_buffers=2, role="trainer" if rank == 0 else "rollout")
+    target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+                             device=device) for n, t in _weights(0, device).items()}
+    connect(engine, rdv, 1, 1)
+    assert len(engine._peer_events) == 1 and not engine._direct  # the ring, with events
+    out = []
+    for k in range(1, 4):
+        rdv.all_gather(None)
+        if rank == 0:
+            src = ModuleSource(_weights(k, device), dtype=torch.bfloat16)
+            asyncio.run(engine.send_weights(src, version=k))
+            out.append({n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src})
+        else:
+            for name, t in engine.receive_weights_sync():
+                torch.cuda._sleep(20_000_000)  # (~10 ms of GPU time before this copy runs)
+                target[name].copy_(t)
+            out.append({n: digest(t.cpu()) for n, t in target.items()})
+    engine.finalize(destroy_group=True)
+    return out
+
+
+@needs_gpu
+def test_colocated_ring_waits_for_a_slow_consumer(port):
+    trainer, rollout = spawn(slow_consumer_worker, 2, (port,), timeout=300)
+    assert rollout == trainer
+    assert trainer[0] != trainer[1] != trainer[2]
+
+
+@needs_gpu
+@pytest.mark.parametrize("who", ["trainer", "rollout"])
+@pytest.mark.parametrize("phase", ["mid-update", "final-status"])
+def test_colocated_ring_peer_lost_on_gpu(port, who, phase):
+    """The CUDA IPC ring (its events) with the trainer or a rollout SIGKILLed in an update:
+    every survivor raises within the deadline naming the phase, never hangs on the GPU."""
+    from faults_common import check_peer_lost
+    check_peer_lost(port, "colocated", phase, who, "kill", gpu=True)
+
+
 def direct_moved_worker(rank: int, port: int):
     """Direct mode: the rollout re-allocates one of its exported tensors (as a sleep that
     frees weights does): the next update fails on both ranks before a byte is written,

@@ -49,19 +49,27 @@ def _tp_rows(held: dict[str, torch.Tensor], r: int, R: int):
 
 
 def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: str, deadline: float,
-              out, delta: bool = False, sharded: bool = False) -> None:
+              out, delta: bool = False, sharded: bool = False, gpu: bool = False) -> None:
     """1 trainer (rank 0), 2 rollouts (ranks 1, 2). After one good update, rank ``lost`` is
     SIGKILLed or SIGSTOPped at ``phase`` of the next; the survivors report what they saw.
     ``delta``: in delta mode, sent in rounds (a rollout lost mid-update: at its second
     bucket's patch). ``sharded``: the rollouts keep their rows of every matrix (sharded
-    receive; a rollout lost mid-update: after its first bucket)."""
+    receive; a rollout lost mid-update: after its first bucket). ``gpu``: every rank's tensors
+    and buckets on GPU 0 (colocated: the CUDA IPC ring and its events)."""
     torch.set_num_threads(1)
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        torch.zeros(1, device=device)  # (CUDA starts before the 2.5 s formation deadline runs)
+
+    def stream(m: Mixed) -> dict[str, torch.Tensor]:
+        return {n: t.to(device) for n, t in trainer_stream(m).items()}
     T, R = 1, 2
     if delta:
         os.environ["WEIGHTBUS_DELTA_ROUNDS"] = "4"
     rdv = Rendezvous("127.0.0.1", port, rank, T + R, timeout=60)
     engine = CheckpointEngineRegistry.new(backend, bucket_size=1 << 16, timeout=deadline,
-                                          role="trainer" if rank == 0 else "rollout", delta=delta)
+                                          role="trainer" if rank == 0 else "rollout", delta=delta,
+                                          **({"device": device} if gpu else {}))
     model = Mixed()
     doomed = rank == lost
     if sharded and rank:
@@ -73,7 +81,7 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
     t0 = time.monotonic()
     try:
         connect(engine, rdv, T, R)
-        held = trainer_stream(Mixed())
+        held = stream(Mixed())
         if delta:  # (it writes in place: contiguous tensors)
             held = {n: t.contiguous() for n, t in held.items()}
         sink = ModuleSink(held)
@@ -82,13 +90,13 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
         if delta and rank:
             engine.set_destinations(held)
         if rank == 0:
-            asyncio.run(engine.send_weights(ModuleSource(trainer_stream(model))))
+            asyncio.run(engine.send_weights(ModuleSource(stream(model))))
         else:
             asyncio.run(sink.load(engine.receive_weights()))
         res["first"] = "ok"
         model.step(2)
         rdv.all_gather(None)
-        named = trainer_stream(model)
+        named = stream(model)
         if doomed and phase == "header":
             _lose(how)
         if doomed and phase == "final-status":
