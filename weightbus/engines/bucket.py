@@ -180,6 +180,10 @@ class BucketEngine(CheckpointEngine):
     def _wait_recv(self, b: Bucket) -> torch.Tensor:
         """Wait for bucket ``b``; returns its slot."""
 
+    def _check_trailer(self, slot: torch.Tensor, b: Bucket, version: int) -> tuple[int, str]:
+        """A received bucket's trailer: (status, message) (a transport may read it elsewhere)."""
+        return buffers.check_trailer(slot, b, version, self.where())
+
     def _release(self, b: Bucket) -> None:
         """The consumer is done with bucket ``b``'s slot."""
 
@@ -651,7 +655,7 @@ class BucketEngine(CheckpointEngine):
                 self._post_recv(b)
             for b in buckets:
                 slot = self._wait_recv(b)
-                status, msg = buffers.check_trailer(slot, b, version, f"{self.where()}")
+                status, msg = self._check_trailer(slot, b, version)
                 if status != buffers.STATUS_OK and error is None:
                     error = msg or f"{self.where()}: bucket {b.index} arrived with status {status}"
                 if error is None and not closed and batched:

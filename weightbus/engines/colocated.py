@@ -106,6 +106,7 @@ class ColocatedEngine(BucketEngine):
         self._own_events: list[torch.cuda.Event] = []  # per slot: packed (trainer) / released (rollout)
         self._peer_events: list[list[torch.cuda.Event]] = []  # the peers' events, per peer, per slot
         self._opened: dict[bytes, torch.cuda.Event] = {}  # (an event handle is opened once a process)
+        self._trailer_stream: torch.cuda.Stream | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -680,6 +681,16 @@ class ColocatedEngine(BucketEngine):
         if self._peer_events:  # (the trainer's pack into it was queued, maybe not run)
             self._await(self._peer_events[0][k], f"waiting for the trainer's copies into bucket {b.index}")
         return self._slots[k]
+
+    def _check_trailer(self, slot: torch.Tensor, b: Bucket, version: int) -> tuple[int, str]:
+        if not self._peer_events:
+            return super()._check_trailer(slot, b, version)
+        # the trainer's copies into the slot have run (its event): read the trailer on a
+        # stream of its own, not behind this rank's copies out of the previous bucket
+        if self._trailer_stream is None:
+            self._trailer_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._trailer_stream):
+            return super()._check_trailer(slot, b, version)
 
     def _release(self, b: Bucket) -> None:
         k = b.index % self.num_buffers
