@@ -21,6 +21,9 @@ args() { case $1 in
   d100k) echo "--scenario disaggregated --tensors 100000 --tensor-bytes 1024 --trainer-dtype bf16 --iters 5" ;;
   # sharded receive, 4 GPUs: one trainer -> the 3 TP ranks of one replica (the sharded line)
   s30)   echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 3 --iters 3" ;;
+  # the same at TP=2 (3 GPUs), and the dense 8b at TP=2
+  s30tp2) echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 2 --iters 3" ;;
+  s8tp2) echo "--scenario disaggregated --preset 8b --trainer-dtype bf16 --rollout-tp 2 --iters 3" ;;
 esac; }
 for r in $ROWS; do
   for side in ${SIDES:-old new old new}; do
