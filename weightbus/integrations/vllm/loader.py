@@ -23,6 +23,7 @@ load of the same weights before the update counts as done.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import time
@@ -306,7 +307,20 @@ class VLLMModelLoader:
                     self._reload[1](self.model, self.model_config)
         finally:
             self._remove_hooks()
+        self._end_kernels()
+
+    def _end_kernels(self) -> None:
+        """After an update on the CPU: share the fresh GEMM kernels with tied twins, then
+        free the replaced ones here, at a shallow stack. vLLM's oneDNN handler frees its
+        packed weight in ``__del__``; left to the cyclic collector, that ran at whatever
+        allocation next triggered it, deep in a later call's stack, where its failing
+        ``.item()`` recursed through torch's error formatting until the worker's C stack
+        overflowed (seen once in four CI runs, vLLM 0.32 at TP=2)."""
         refresh_shared_cpu_kernels(self.model, self._kernels)
+        replaced = bool(self._kernels)
+        self._kernels = {}
+        if replaced:
+            gc.collect()
 
     def _remove_hooks(self) -> None:
         if self._hooks is not None:
@@ -331,7 +345,7 @@ class VLLMModelLoader:
                     self._reload[1](self.model, self.model_config)
             finally:
                 self._remove_hooks()
-        refresh_shared_cpu_kernels(self.model, self._kernels)
+        self._end_kernels()
 
 
 # ------------------------------------------------------------------ the dry run
