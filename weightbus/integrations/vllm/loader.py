@@ -312,10 +312,10 @@ class VLLMModelLoader:
     def _end_kernels(self) -> None:
         """After an update on the CPU: share the fresh GEMM kernels with tied twins, then
         free the replaced ones here, at a shallow stack. vLLM's oneDNN handler frees its
-        packed weight in ``__del__``; left to the cyclic collector, that ran at whatever
-        allocation next triggered it, deep in a later call's stack, where its failing
-        ``.item()`` recursed through torch's error formatting until the worker's C stack
-        overflowed (seen once in four CI runs, vLLM 0.32 at TP=2)."""
+        packed weight in ``__del__``; left to the cyclic collector, that runs at whatever
+        allocation next triggers a collection, possibly deep in a later call's stack: once
+        in four CI runs (vLLM 0.32, TP=2) a TP worker died there of a C stack overflow, its
+        ``__del__``'s ``.item()`` recursing through torch's error formatting."""
         refresh_shared_cpu_kernels(self.model, self._kernels)
         replaced = bool(self._kernels)
         self._kernels = {}
