@@ -11,26 +11,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 
 import torch
+from copy_kernels import timed  # (benchmarks/: the median of timed runs, in seconds)
 
 from weightbus.packing import copy_triton
 from weightbus.planning import presets
 from weightbus.tools.bench import BenchConfig, _bulk_cast_copy
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e3
 
 
 def main() -> None:
@@ -48,7 +35,7 @@ def main() -> None:
     srcs = [torch.randn(s, device=dev, generator=g).to(torch.bfloat16) for s in shapes]
     dsts = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
     floor = timed(_bulk_cast_copy(BenchConfig(scenario="colocated-direct", preset=a.preset, layers=a.layers,
-                                              trainer_dtype="bf16", gpu=True), dev), a.iters)
+                                              trainer_dtype="bf16", gpu=True), dev), a.iters) * 1e3
     gb = sum(t.numel() for t in srcs) * 2 / 1e9
     print(f"{a.preset}/{a.layers}L: {len(srcs)} tensors, {gb:.2f} GB; floor (bulk copy) {floor:.2f} ms")
     print(f"{'chunk KiB':>9} {'block':>6} {'warps':>5} {'ms':>8} {'x floor':>8}  check")
@@ -61,7 +48,7 @@ def main() -> None:
         assert dc.table(srcs)
         for d in dsts:
             d.zero_()
-        ms = timed(dc.copy, a.iters)
+        ms = timed(dc.copy, a.iters) * 1e3
         ok = all(torch.equal(d.view(torch.int16), s.view(torch.int16))
                  for d, s in zip(dsts, srcs, strict=True))
         rows.append((ms, chunk, block, warps))

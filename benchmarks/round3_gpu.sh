@@ -4,13 +4,7 @@
 #   STEPS="cd30 c30 cd30f quant profile" SIDES="503f8e8 c307cfa new" bash benchmarks/round3_gpu.sh
 # Older trees under _old/<commit>/ (see ab_hotpath.sh), carried to the device.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# the pointer extension, built before any timed row (a process takes Python's pass until it is)
-PYTHONPATH=$PWD python -c "
-import time; from weightbus.packing import native; t = time.time(); lib = native.pointer_library(wait=True)
-print('pointer extension:', 'built' if lib else 'NOT BUILT', f'in {time.time() - t:.1f} s')"
+source "$(dirname "$0")/gpu_prelude.sh"
 SIDES=${SIDES:-"c307cfa new c307cfa new c307cfa new"}
 for step in ${STEPS:-cd30 c30 cd30f quant}; do
   case $step in

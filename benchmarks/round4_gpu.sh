@@ -8,12 +8,7 @@
 #           side (GPU busy time, span, top kernels), and cd30's host by function (cProfile);
 # others:   rows of benchmarks/ab_hotpath.sh (older trees under _old/<commit>, carried).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-PYTHONPATH=$PWD python -c "
-import time; from weightbus.packing import native; t = time.time(); lib = native.pointer_library(wait=True)
-print('pointer extension:', 'built' if lib else 'NOT BUILT', f'in {time.time() - t:.1f} s')"
+source "$(dirname "$0")/gpu_prelude.sh"
 SIDES=${SIDES:-"9546d93 new 9546d93 new"}
 for step in ${STEPS:-sweep timeline cd30 c30}; do
   case $step in

@@ -29,6 +29,19 @@ def _weights(k: int, device: torch.device) -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 8, device=device)}
 
 
+def _targets(device: torch.device) -> dict[str, torch.Tensor]:
+    """A rollout's tensors for ``_weights``: zeros, floating ones in bfloat16 (the wire)."""
+    return {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
+                           device=device) for n, t in _weights(0, device).items()}
+
+
+def _send(engine, k: int, device: torch.device) -> dict[str, str]:
+    """The trainer's update ``k`` (``_weights(k)`` on the bfloat16 wire); what it sent, hashed."""
+    src = ModuleSource(_weights(k, device), dtype=torch.bfloat16)
+    asyncio.run(engine.send_weights(src, version=k))
+    return {n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src}
+
+
 def gpu_worker(rank: int, backend: str, port: int, expandable: bool, direct: bool = False):
     if expandable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -41,9 +54,7 @@ def gpu_worker(rank: int, backend: str, port: int, expandable: bool, direct: boo
                                           role="trainer" if rank == 0 else "rollout")
     target = None
     if rank == 1:
-        w = _weights(0, device)
-        target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
-                                 device=device) for n, t in w.items()}
+        target = _targets(device)
         ptrs = {n: t.data_ptr() for n, t in target.items()}
         if direct:
             engine.set_destinations(target)
@@ -54,9 +65,7 @@ def gpu_worker(rank: int, backend: str, port: int, expandable: bool, direct: boo
     for k in range(1, 4):
         rdv.all_gather(None)
         if rank == 0:
-            src = ModuleSource(_weights(k, device), dtype=torch.bfloat16)
-            asyncio.run(engine.send_weights(src, version=k))
-            out.append({n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src})
+            out.append(_send(engine, k, device))
         else:
             asyncio.run(ModuleSink(target).load(engine.receive_weights()))
             torch.cuda.synchronize()
@@ -113,17 +122,14 @@ def slow_consumer_worker(rank: int, port: int):
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
     engine = CheckpointEngineRegistry.new("colocated", bucket_size=1 << 20, device=device, timeout=120,
                                           num_buffers=2, role="trainer" if rank == 0 else "rollout")
-    target = {n: torch.zeros(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype,
-                             device=device) for n, t in _weights(0, device).items()}
+    target = _targets(device)
     connect(engine, rdv, 1, 1)
     assert len(engine._peer_events) == 1 and not engine._direct  # the ring, with events
     out = []
     for k in range(1, 4):
         rdv.all_gather(None)
         if rank == 0:
-            src = ModuleSource(_weights(k, device), dtype=torch.bfloat16)
-            asyncio.run(engine.send_weights(src, version=k))
-            out.append({n: digest(t.to(src.wire_dtype(t)).cpu()) for n, t in src})
+            out.append(_send(engine, k, device))
         else:
             for name, t in engine.receive_weights_sync():
                 torch.cuda._sleep(20_000_000)  # (~10 ms of GPU time before this copy runs)
