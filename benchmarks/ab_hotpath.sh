@@ -24,6 +24,11 @@ args() { case $1 in
   # the same at TP=2 (3 GPUs), and the dense 8b at TP=2
   s30tp2) echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 2 --iters 3" ;;
   s8tp2) echo "--scenario disaggregated --preset 8b --trainer-dtype bf16 --rollout-tp 2 --iters 3" ;;
+  # two FSDP2 trainer ranks, each holding half of every tensor -> the 2 TP ranks (4 GPUs), and
+  # three -> the 3 TP ranks (6 GPUs)
+  s30t2) echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 2 --trainers 2 --iters 3" ;;
+  s8t2)  echo "--scenario disaggregated --preset 8b --trainer-dtype bf16 --rollout-tp 2 --trainers 2 --iters 3" ;;
+  s30t3) echo "--scenario disaggregated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --rollout-tp 3 --trainers 3 --iters 3" ;;
 esac; }
 for r in $ROWS; do
   for side in ${SIDES:-old new old new}; do

@@ -166,6 +166,7 @@ BAD = [  # argv, then what the one line must name: the option, the value, the fi
     (["bench", "--tensors", "0"], "--tensors", "got 0", "[1, 10000000]"),
     (["bench", "--tensor-bytes", "3"], "--tensor-bytes", "got 3", "multiple of 2"),
     (["bench", "--receivers", "0"], "--receivers", "got 0", "[1, 64]"),
+    (["bench", "--trainers", "0"], "--trainers", "got 0", "[1, 64]"),
     (["bench", "--delta", "0"], "--delta", "'0'", "(0, 1]"),
     (["bench", "--delta", "1.5"], "--delta", "'1.5'", "(0, 1]"),
     (["bench", "--delta", "nan"], "--delta", "'nan'", "(0, 1]"),
@@ -218,6 +219,17 @@ def test_delta_names_the_scenario_it_needs(nothing_starts, capsys):
         cli.main(["bench", "--delta", "0.1"])
     (configs, *_), _ = nothing_starts[0]
     assert {c.scenario for c in configs} == {"disaggregated"} and {c.delta for c in configs} == {0.1}
+
+
+def test_trainers_name_the_scenario_they_need(nothing_starts, capsys):
+    err = _refused(["bench", "--scenario", "hybrid-fsdp", "--trainers", "2"], capsys)
+    assert "--trainers" in err and "--scenario disaggregated only, not --scenario hybrid-fsdp" in err, err
+    err = _refused(["bench", "--trainers", "2", "--delta", "0.1"], capsys)
+    assert "trainers= applies to the disaggregated scenario over gloo or nccl, without delta=" in err, err
+    with pytest.raises(AssertionError, match="started"):  # alone, it chooses that scenario
+        cli.main(["bench", "--trainers", "2", "--rollout-tp", "2"])
+    (configs, *_), _ = nothing_starts[0]
+    assert [(c.scenario, c.trainers, c.receivers) for c in configs] == [("disaggregated", 2, 2)]
 
 
 def test_options_that_would_do_nothing_are_refused(nothing_starts, capsys, tmp_path):

@@ -79,6 +79,25 @@ def test_bench_sharded_row_cpu():
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, rollout_tp=2, receivers=3)
 
 
+def test_bench_fsdp_trainers_sharded_row_cpu():
+    """``--trainers 2 --rollout-tp 2``: two FSDP2 trainer ranks, each holding half of every
+    tensor, both send (the sharded update's buckets spread over them), and every TP rank
+    gets exactly its rows, bitwise, of weights that change every round."""
+    row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=2, gpu=False, timeout=120,
+                                rollout_tp=2, trainers=2))
+    assert row["verified"] and row["scenario"] == "disagg gloo 2->2 TP" and row["trainers"] == 2
+    sent = row["shard_sent"]
+    assert len(sent) == 2 and min(sent) > 0.3 * sum(sent), sent  # both trainers send their share
+    assert sum(sent) >= sum(row["shard_bytes"])
+    assert row["sharded_floor_s"] > 0 and "sharded TP=2" in format_table([row])
+    with pytest.raises(ValueError, match="trainers= applies to the disaggregated scenario"):
+        BenchConfig(scenario="colocated", preset="tiny", gpu=False, trainers=2)
+    with pytest.raises(ValueError, match="trainers= applies to the disaggregated scenario"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, trainers=2, delta=0.1)
+    with pytest.raises(ValueError, match="trainers must be an int >= 1"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, trainers=0)
+
+
 def test_bench_relayed_row_cpu():
     """``--rollout-tp 1 --replicas 3 --relay 1``: the update to 3 single-rank replicas timed
     broadcast, sharded direct and relayed, each with its floor (the trainer's bytes sent

@@ -8,7 +8,10 @@ memory on the CPU):
   floor = the cast fp32 -> bf16 plus one device copy of the bf16 bytes.
 - ``disaggregated``: trainer on device 0, rollout on device 1 (NCCL); floor = a raw
   broadcast of the same bf16 bucket bytes over the same group; baseline = cast and
-  broadcast tensor by tensor, straight into the rollout's tensors.
+  broadcast tensor by tensor, straight into the rollout's tensors. With ``trainers`` > 1
+  the trainers are FSDP2 ranks each holding its dim-0 shard of every tensor (devices
+  ``0..trainers-1``, the rollouts after them), and each bucket goes from the rank that
+  packs it.
 - ``hybrid-fsdp``: 2 FSDP2 trainer ranks on 2 devices, each with a colocated rollout
   process; floor = an all-gather of the same bf16 bytes among the trainers.
 - ``*-direct``: the colocated engine in direct mode: the rollout's tensors are exported
@@ -81,6 +84,9 @@ class BenchConfig:
     #: with ``rollout_tp``: also time the sharded update relayed between the replicas
     #: (the engines' ``relay=k``: the trainer feeds the first replica, which forwards)
     relay: int | None = None
+    #: disaggregated: trainer ranks, FSDP2-sharded (each holds its dim-0 shard of every
+    #: tensor); every update's buckets are spread over them
+    trainers: int = 1
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -126,9 +132,17 @@ class BenchConfig:
                 raise ValueError(f"relay must be an int >= 1 (1: a chain, k: a k-ary tree), got {k!r}")
         elif self.replicas != 1 or self.relay is not None:
             raise ValueError("replicas= and relay= apply to sharded rows: give rollout_tp= too")
-        if self.receivers > 1 and self.gpu and torch.cuda.device_count() < 1 + self.receivers:
-            raise ValueError(f"{self.receivers} receivers on GPUs need {1 + self.receivers} of them (one "
-                             f"per rank); this machine has {torch.cuda.device_count()}")
+        T = self.trainers
+        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+            raise ValueError(f"trainers must be an int >= 1 (FSDP2 trainer ranks), got {T!r}")
+        if T > 1 and (self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl")
+                      or self.delta is not None):
+            raise ValueError("trainers= applies to the disaggregated scenario over gloo or nccl, "
+                             "without delta= (the other scenarios fix their trainers)")
+        if self.gpu and T + self.receivers > 2 and torch.cuda.device_count() < T + self.receivers:
+            raise ValueError(f"{T} trainer(s) and {self.receivers} receivers on GPUs need "
+                             f"{T + self.receivers} of them (one per rank); this machine has "
+                             f"{torch.cuda.device_count()}")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype must be one of {', '.join(TRAINER_DTYPES)}, "
                              f"got {self.trainer_dtype!r}")
@@ -145,11 +159,12 @@ class BenchConfig:
 
     def row_name(self) -> str:
         """The scenario as the table shows it: with its engine and receivers when chosen."""
-        if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1):
+        if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1
+                                                 and self.trainers == 1):
             return self.scenario
         shape = f" {self.topology}" if self.topology else ""
-        return f"disagg {self.engine}{shape} 1->{self.receivers}" + (" TP" if self.rollout_tp else "") \
-            + (f"x{self.replicas}" if self.replicas > 1 else "")
+        return f"disagg {self.engine}{shape} {self.trainers}->{self.receivers}" \
+            + (" TP" if self.rollout_tp else "") + (f"x{self.replicas}" if self.replicas > 1 else "")
 
 
 # ------------------------------------------------------------------ helpers
@@ -323,25 +338,35 @@ def raw_broadcast(engine: CheckpointEngine, plan: Any, slots: list[torch.Tensor]
         w.wait()
 
 
-def raw_sends(group: Any, rank: int, counts: list[int], chunk: int, slots: list[torch.Tensor]) -> None:
-    """The floor of sharded receive: group rank 0 sends receiver ``i`` (group rank
-    ``1 + i``) its ``counts[i]`` bytes point to point in chunks of ``chunk`` (a bucket),
-    the receivers taken in turn, two chunks in flight per receiver, with no packing,
-    unpacking, relay or checks. A relayed update's floor is the same call with the bytes
-    the senders send (to the first replica only): forwarding adds hops, not bytes on the
-    senders' link."""
-    sizes = [[min(chunk, c - lo) for lo in range(0, c, chunk)] for c in counts]
-    if rank != 0:
-        sizes = [sizes[rank - 1]]
-    works: list[list[Any]] = [[] for _ in sizes]
-    for j in range(max((len(p) for p in sizes), default=0)):
-        for i, mine in enumerate(sizes):
-            if j >= len(mine):
+def raw_sends(groups: dict[int, Any], rank: int, senders: int, counts: list[int], chunk: int,
+              slots: list[torch.Tensor]) -> None:
+    """The floor of sharded receive: receiver ``i`` (rank ``senders + i``) gets its
+    ``counts[i]`` bytes point to point in chunks of ``chunk`` (a bucket), chunk ``j`` from
+    trainer rank ``j % senders`` over that trainer's data group (the trainer at group rank
+    0, receiver ``i`` at ``1 + i``); a trainer takes its receivers in turn, two chunks in
+    flight per receiver, a receiver keeps ``len(slots)`` in flight; no packing, unpacking,
+    relay or checks. A relayed update's floor is the same call with the bytes the senders
+    send (to the first replica only): forwarding adds hops, not bytes on the senders'
+    link."""
+    sizes = [[(j, min(chunk, c - lo)) for j, lo in enumerate(range(0, c, chunk))] for c in counts]
+    trainer = rank < senders
+    if trainer:
+        lists = [[(j, n) for j, n in mine if j % senders == rank] for mine in sizes]
+        depth = 2
+    else:
+        lists = [sizes[rank - senders]]
+        depth = len(slots)
+    works: list[list[Any]] = [[] for _ in lists]
+    for k in range(max((len(p) for p in lists), default=0)):
+        for i, mine in enumerate(lists):
+            if k >= len(mine):
                 continue
-            if len(works[i]) >= 2:
+            if len(works[i]) >= depth:
                 works[i].pop(0).wait()
-            buf = slots[j % 2][: mine[j]]
-            works[i].append(group.send([buf], 1 + i, 0) if rank == 0 else group.recv([buf], 0, 0))
+            j, n = mine[k]
+            buf = slots[k % len(slots)][:n]
+            works[i].append(groups[rank].send([buf], 1 + i, 0) if trainer
+                            else groups[j % senders].recv([buf], 0, 0))
     for w in works:
         for x in w:
             x.wait()
@@ -423,23 +448,41 @@ def _update_fn(engine: CheckpointEngine, source: ModuleSource | None,
 # ------------------------------------------------------------------ workers
 
 
-def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
+def _fsdp_weights(cfg: BenchConfig, device: torch.device, rank: int, train_port: int) -> dict[str, Any]:
+    """The trainer's weights as ``cfg.trainers`` FSDP2 ranks hold them: every parameter a
+    DTensor of which this rank keeps its dim-0 shard (the trainers' own process group)."""
+    dist.init_process_group("nccl" if cfg.gpu else "gloo", init_method=f"tcp://127.0.0.1:{train_port}",
+                            rank=rank, world_size=cfg.trainers, device_id=device if cfg.gpu else None)
+    from torch.distributed.fsdp import fully_shard
+    model = _Holder(_trainer_weights(cfg, device))
+    fully_shard(model)
+    return dict(model.named_parameters())
+
+
+def _disaggregated(rank: int, cfg: BenchConfig, port: int, train_port: int) -> dict[str, Any]:
     device = _device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    world = 1 + cfg.receivers
+    T = cfg.trainers
+    world = T + cfg.receivers
     rdv = Rendezvous("127.0.0.1", port, rank, world, timeout=cfg.timeout)
-    trainer = rank == 0
-    weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
+    trainer = rank < T
+    if trainer:
+        weights = _fsdp_weights(cfg, device, rank, train_port) if T > 1 else _trainer_weights(cfg, device)
+    else:
+        weights = _rollout_weights(cfg, device)
     engine = CheckpointEngineRegistry.new(
         cfg.engine, device=device, timeout=cfg.timeout,
         bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, role="trainer" if trainer else "rollout",
         **({"topology": cfg.topology} if cfg.topology else {}))
     if not trainer:
         engine.set_destinations(weights)
-    connect(engine, rdv, 1, cfg.receivers)
+    connect(engine, rdv, T, cfg.receivers)
     source = ModuleSource(weights, dtype=WIRE) if trainer else None
-    plan = engine._plan(source.manifest if trainer else _manifest_of(cfg))  # type: ignore[attr-defined]
+    # every rank plans the floor's buckets from trainer 0's manifest (it names which trainer
+    # ranks hold each tensor: the buckets' owners)
+    manifest = rdv.all_gather(source.manifest if rank == 0 else None)[0]  # type: ignore[union-attr]
+    plan = engine._plan(manifest)  # type: ignore[attr-defined]
     if cfg.engine == "nixl":
         floor = (lambda: raw_nixl(engine, plan)) if trainer else (lambda: None)  # one-sided
         group = None
@@ -447,7 +490,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         floor = (lambda: None) if trainer else (lambda: raw_mooncake(engine, plan))  # the readers
         group = None
     else:
-        group = engine._data[0]  # type: ignore[attr-defined]
+        groups = engine._data  # type: ignore[attr-defined]
+        group = groups[0] if T == 1 else None  # (the per-tensor baseline: one trainer only)
         floor_slots = [torch.empty(engine.bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
         floor = lambda: raw_broadcast(engine, plan, floor_slots)  # noqa: E731
 
@@ -462,12 +506,12 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         if not trainer:
             delta_weights = {n: t.clone() for n, t in weights.items()}
             delta_engine.set_destinations(delta_weights)
-        connect(delta_engine, rdv, 1, cfg.receivers)
+        connect(delta_engine, rdv, T, cfg.receivers)
         delta_fn = _update_fn(delta_engine, source, delta_weights)
 
     shard_fn = relay_fn = shard_engine = relay_engine = shards = relayed = None
     if cfg.rollout_tp:  # more engines: each rollout rank a TP rank keeping its rows
-        tp_rank = (rank - 1) % cfg.rollout_tp
+        tp_rank = (rank - T) % cfg.rollout_tp
 
         def sharded_engine(relay: int) -> tuple[Any, Any, Any]:
             eng = CheckpointEngineRegistry.new(
@@ -479,7 +523,7 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
                          for n, s in cfg.shapes()}
                 eng.set_shard_destinations({n: [(_tp_box(s, tp_rank, cfg.rollout_tp), dests[n])]
                                             for n, s in cfg.shapes()})
-            connect(eng, rdv, 1, cfg.receivers)
+            connect(eng, rdv, T, cfg.receivers)
 
             def fn() -> None:
                 if trainer:
@@ -499,10 +543,11 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         counts = [sum(_tp_box(s, r % cfg.rollout_tp, cfg.rollout_tp).numel for _, s in cfg.shapes())
                   * WIRE.itemsize for r in range(cfg.receivers)]
         chunk = shard_engine.bucket_size
-        p2p_slots = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(2)]
-        sharded_floor = lambda: raw_sends(group, rank, counts, chunk, p2p_slots)  # noqa: E731
+        p2p_slots = [torch.empty(chunk, dtype=torch.uint8, device=device)
+                     for _ in range(2 if trainer else 2 * T)]  # (a receiver: two per sender in flight)
+        sharded_floor = lambda: raw_sends(groups, rank, T, counts, chunk, p2p_slots)  # noqa: E731
         roots = counts[:cfg.rollout_tp] + [0] * (cfg.receivers - cfg.rollout_tp)
-        relayed_floor = lambda: raw_sends(group, rank, roots, chunk, p2p_slots)  # noqa: E731
+        relayed_floor = lambda: raw_sends(groups, rank, T, roots, chunk, p2p_slots)  # noqa: E731
 
     def naive() -> None:  # a broadcast per tensor (collective engines only)
         works: list[Any] = []
@@ -530,7 +575,12 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
         more.update(relayed_floor=relayed_floor, relayed=relay_fn)
     times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
                            delta_fn, more)
-    check = _checksums({n: t for n, t in weights.items()})
+    if trainer and T > 1:  # the whole tensors, gathered (every trainer takes part), checked on rank 0
+        full = {n: t.full_tensor() for n, t in weights.items()}
+        check = _checksums(full) if rank == 0 else {}
+    else:
+        full = weights
+        check = _checksums(weights)
     result = {"times": times, "checksums": check, "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
     if delta_engine is not None:
@@ -551,8 +601,9 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     if shard_engine is not None:
         tp = cfg.rollout_tp
         if trainer:  # what each TP rank must hold: its rows of every tensor
+            result["shard_sent"] = shard_engine.last_stats.wire_bytes  # type: ignore[union-attr]
             result["shard_checksums"] = [  # type: ignore[arg-type]
-                _checksums({n: _tp_box(t.shape, r, tp).of(t) for n, t in weights.items()}) for r in range(tp)]
+                _checksums({n: _tp_box(t.shape, r, tp).of(t) for n, t in full.items()}) for r in range(tp)]
         else:
             stats = shard_engine.last_stats
             result.update(shard_checksums=_checksums(shards), shard_bytes=stats.bytes)  # type: ignore[arg-type,union-attr]
@@ -564,6 +615,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
             result["sharded_wire"] = shard_engine.last_stats.wire_bytes if trainer else 0  # type: ignore[union-attr]
             relay_engine.finalize(destroy_group=True)
     engine.finalize(destroy_group=True)
+    if trainer and T > 1:
+        dist.destroy_process_group()
     return result
 
 
@@ -571,11 +624,6 @@ def _tp_box(shape: tuple[int, ...], r: int, tp: int) -> Box:
     """TP rank ``r``'s part of a tensor in the bench's sharded rows: its rows of a matrix
     (any tensor of 2+ dims), the whole of a vector."""
     return chunk_box(shape, 0, r, tp) if len(shape) >= 2 else Box.whole(shape)
-
-
-def _manifest_of(cfg: BenchConfig) -> Any:
-    from weightbus.plan import Manifest, TensorMeta
-    return Manifest(TensorMeta(n, WIRE, s) for n, s in cfg.shapes())
 
 
 def _colocated_engine(cfg: BenchConfig, device: torch.device, trainer: bool,
@@ -691,22 +739,28 @@ def fits(cfg: BenchConfig) -> str | None:
     return None
 
 
+def _free_port() -> int:
+    """A port for the trainers' own process group (a store bound and released at once)."""
+    tmp = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = tmp.port
+    del tmp
+    return port
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Runs one scenario on one preset; returns a row for the table."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     if cfg.scenario == "disaggregated":
-        res = spawn(_disaggregated, 1 + cfg.receivers, (cfg, store.port), timeout=cfg.timeout * 3)
-        trainer, rollouts = res[0], res[1:]
+        res = spawn(_disaggregated, cfg.trainers + cfg.receivers, (cfg, store.port, _free_port()),
+                    timeout=cfg.timeout * 3)
+        trainer, rollouts = res[0], res[cfg.trainers:]
     elif cfg.scenario in ("colocated", "colocated-direct"):
         res = spawn(_colocated, 2, (cfg, store.port), timeout=cfg.timeout * 3)
         trainer, rollouts = res[0], res[1:]
     elif cfg.scenario in ("hybrid-fsdp", "hybrid-fsdp-direct"):
-        tmp = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-        train_port = tmp.port
-        del tmp
-        res = spawn(_hybrid, 4, (cfg, store.port, train_port), timeout=cfg.timeout * 3)
+        res = spawn(_hybrid, 4, (cfg, store.port, _free_port()), timeout=cfg.timeout * 3)
         trainer, rollouts = res[0], res[2:]
     else:
         raise ValueError(f"unknown scenario {cfg.scenario!r}; choose from {', '.join(SCENARIOS)}")
@@ -715,7 +769,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     verified = all(r["checksums"] == trainer["checksums"] for r in rollouts)
     row: dict[str, Any] = {
         "scenario": cfg.row_name(), "preset": cfg.label(), "device": _device_name(cfg),
-        "trainer_dtype": cfg.trainer_dtype, "tensors": len(cfg.shapes()), "bytes": nbytes,
+        "trainer_dtype": cfg.trainer_dtype, "trainers": cfg.trainers, "tensors": len(cfg.shapes()),
+        "bytes": nbytes,
         "bucket_bytes": trainer["engine_buffers"] // 2, "iters": cfg.iters,
         "floor_s": med["floor"], "weightbus_s": med["weightbus"], "naive_s": med.get("naive"),
         "ratio": med["weightbus"] / med["floor"],
@@ -729,6 +784,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         got = [r["shard_bytes"] for r in rollouts]
         row.update(rollout_tp=cfg.rollout_tp, replicas=cfg.replicas, sharded_s=med["sharded"],
                    shard_bytes=got, sharded_vs_broadcast=med["sharded"] / med["weightbus"],
+                   shard_sent=[t["shard_sent"] for t in res[:cfg.trainers]],
                    sharded_floor_s=med["sharded_floor"], sharded_ratio=med["sharded"] / med["sharded_floor"],
                    verified=verified and all(
                        r["shard_checksums"] == trainer["shard_checksums"][i % cfg.rollout_tp]

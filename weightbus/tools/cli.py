@@ -333,7 +333,8 @@ def _bench(args: argparse.Namespace) -> int:
                                 ("--delta", args.delta is not None),
                                 ("--rollout-tp", args.rollout_tp is not None),
                                 ("--replicas", args.replicas != 1),
-                                ("--relay", args.relay is not None)) if given]
+                                ("--relay", args.relay is not None),
+                                ("--trainers", args.trainers != 1)) if given]
     if knobs:
         others = sorted(set(args.scenario or ()) - {"disaggregated"})
         if others:
@@ -365,7 +366,8 @@ def _bench(args: argparse.Namespace) -> int:
                                delta=args.delta if s == "disaggregated" else None,
                                rollout_tp=args.rollout_tp if s == "disaggregated" else None,
                                replicas=args.replicas if s == "disaggregated" else 1,
-                               relay=args.relay if s == "disaggregated" else None)
+                               relay=args.relay if s == "disaggregated" else None,
+                               trainers=args.trainers if s == "disaggregated" else 1)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         error(str(e))
@@ -480,6 +482,10 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--relay", type=_int(1, 64, what=" (relay fan-out)"), metavar="K",
                    help="--rollout-tp N: also time the sharded update relayed between the replicas "
                         "(relay=K: 1 a chain, K a K-ary tree)")
+    b.add_argument("--trainers", type=_int(1, 64, what=" (trainer processes on this host)"), default=1,
+                   help="--scenario disaggregated (chosen by it): this many FSDP2 trainer ranks, each "
+                        "holding its dim-0 shard of every tensor; each bucket goes from the rank that "
+                        "packs it")
     b.add_argument("--iters", type=_int(1, what=" (timed iterations)"), default=5,
                    help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
