@@ -316,7 +316,7 @@ def sharded_source(rank: int, port: int):
     # 7 rows: uneven; the rest even, gathered as one flat all-gather (the small ones) or
     # one gather each (WEIGHTBUS_FLAT_GATHERS=0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 7), nn.LayerNorm(7),
-                          *[nn.Linear(8, 6) for _ in range(5)])
+                          *[nn.Linear(8, 6) for _ in range(5)], nn.Linear(6, 1))  # (1 row: rank 1 holds none)
     from torch.distributed.device_mesh import init_device_mesh
     fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # CPU shards even where CUDA exists
     source = ModuleSource(model, dtype=torch.bfloat16)
@@ -338,6 +338,15 @@ def sharded_source(rank: int, port: int):
         into = list(source.iter_for(lambda i: frozenset({0, 1}), rank, into=lambda i: targets[names[i]]))
         for name, t in into:
             assert torch.equal(t, expected[name]), (flat, name)
+        # each tensor wanted whole on one rank: one all-to-all per run of them (or a gather
+        # each with WEIGHTBUS_FLAT_GATHERS=0), whatever the mix of owners
+        for owner in (lambda i: i % 2, lambda i: 1, lambda i: int(i in (1, 2, 5))):
+            got = list(source.iter_for(lambda i, o=owner: frozenset({o(i)}), rank))
+            assert [g[0] for g in got] == names, flat
+            for i, (name, t) in enumerate(got):
+                assert (t is None) == (owner(i) != rank), (flat, name)
+                assert t is None or (t.dtype == torch.bfloat16 and torch.equal(t, expected[name])), \
+                    (flat, name)
     dist.destroy_process_group()
     for i, (name, t) in enumerate(into):
         assert torch.equal(t, expected[name]), name
