@@ -103,6 +103,9 @@ class ModuleSource:
             self._plain = [t for _, t in self._items]
         self._flat: _FlatGather | None = None
         self._to_owners: _ToOwners | None = None
+        # per tensor held: (it, its mesh's group if it is dim-0 sharded on a 1-D mesh, else
+        # None, its wire dtype): a DTensor's attributes cost microseconds, read once
+        self._runnable: dict[int, tuple[Any, Any, torch.dtype]] = {}
         self._fit: dict[int, tuple[torch.Tensor, Any, int]] = {}
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
@@ -146,6 +149,7 @@ class ModuleSource:
                 self._plain[i] = t
         live.seen()
         self._fit.clear()  # (gather targets were worked out for the tensors held before)
+        self._runnable.clear()
 
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
@@ -205,7 +209,7 @@ class ModuleSource:
         self._follow_once()
         group: list[tuple[int, str, Any, torch.Tensor]] = []  # gathers into targets, batched
         group_bytes = 0
-        run: list[tuple[int, str, Any, int]] = []  # tensors each wanted on one rank, batched
+        run: list[tuple[int, str, Any, int, Any]] = []  # tensors each wanted on one rank, batched
         run_bytes = 0
         batched = config.flag("WEIGHTBUS_FLAT_GATHERS", default=True)
         for i, (name, t) in enumerate(self._items):
@@ -224,10 +228,10 @@ class ModuleSource:
                 yield from self._gather_group(group)
                 group, group_bytes = [], 0
             need = owners(i) if _is_dtensor(t) else None
-            if need is not None and len(need) == 1 and batched and _gatherable(t) \
-                    and (not run or run[0][2].device_mesh.get_group() is t.device_mesh.get_group()):
-                run.append((i, name, t, next(iter(need))))
-                run_bytes += math.prod(t.shape) * self.wire_dtype(t).itemsize
+            pg = self._run_group(i, t) if need is not None and len(need) == 1 and batched else None
+            if pg is not None and (not run or run[0][4] is pg):
+                run.append((i, name, t, next(iter(need)), pg))  # type: ignore[arg-type]
+                run_bytes += math.prod(t.shape) * self._runnable[i][2].itemsize
                 if run_bytes >= _GROUP_BYTES:
                     yield from self._run_to_owners(run)
                     run, run_bytes = [], 0
@@ -249,19 +253,29 @@ class ModuleSource:
         if group:
             yield from self._gather_group(group)
 
-    def _run_to_owners(self, run: list[tuple[int, str, Any, int]]
+    def _run_group(self, i: int, t: Any) -> Any:
+        """The process group of tensor ``i``'s mesh if it can join a run to owners (dim-0
+        sharded on a 1-D mesh), else None."""
+        known = self._runnable.get(i)
+        if known is None or known[0] is not t:
+            known = self._runnable[i] = (t, t.device_mesh.get_group() if _gatherable(t) else None,
+                                         self.wire_dtype(t))
+        return known[1]
+
+    def _run_to_owners(self, run: list[tuple[int, str, Any, int, Any]]
                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """A run of dim-0-sharded tensors, each wanted whole on one trainer rank, moved by
         one all-to-all (:class:`_ToOwners`); yields them in order, ``None`` where this
         rank is not the one."""
         if len(run) == 1:  # (one tensor: a gather is the same collective, without the copies)
-            i, name, t, owner = run[0]
-            yield name, _gather(t, self.wire_dtype(t), to=owner)
+            i, name, t, owner, _ = run[0]
+            yield name, _gather(t, self._runnable[i][2], to=owner)
             return
         if self._to_owners is None:
             self._to_owners = _ToOwners()
-        fulls = self._to_owners.run([(t, self.wire_dtype(t), owner) for _, _, t, owner in run])
-        for (_, name, _, _), full in zip(run, fulls, strict=True):
+        fulls = self._to_owners.run([(t, self._runnable[i][2], owner) for i, _, t, owner, _ in run],
+                                    run[0][4])
+        for (_, name, *_), full in zip(run, fulls, strict=True):
             yield name, full
 
     def _gathers_into(self, i: int, t: Any, target: torch.Tensor,
@@ -505,15 +519,16 @@ class _ToOwners:
         return have[:nbytes]
 
     @torch.no_grad()
-    def run(self, run: list[tuple[Any, torch.dtype, int]]) -> list[torch.Tensor | None]:
-        """``run``: (DTensor, wire dtype, the rank of its group that wants it whole); returns
-        the whole tensors in order, ``None`` for those another rank wants."""
+    def run(self, run: list[tuple[Any, torch.dtype, int]], pg: Any) -> list[torch.Tensor | None]:
+        """``run``: (DTensor, wire dtype, the rank of ``pg`` that wants it whole), every
+        tensor sharded over ``pg``; returns the whole tensors in order, ``None`` for those
+        another rank wants."""
         from weightbus.packing.buffers import CopyList, copy_group
 
-        pg = run[0][0].device_mesh.get_group()
         world, me = dist.get_world_size(pg), dist.get_rank(pg)
-        device = run[0][0].to_local().device
-        key = (id(pg), device, tuple((tuple(t.shape), wire, owner) for t, wire, owner in run))
+        locals_ = [t.to_local() for t, _, _ in run]
+        device = locals_[0].device
+        key = (id(pg), device, tuple((t.shape, wire, owner) for t, wire, owner in run))
         plan = self._packs.get(key)
         if plan is None:
             # every rank's rows of each tensor: torch.chunk's split (ceil; the last short or empty)
@@ -541,21 +556,29 @@ class _ToOwners:
                         pieces.append((k, lo, hi, pos))
                         pos += _aligned((hi - lo) * rb)
                         out_split[s] += _aligned((hi - lo) * rb)
+            # the whole tensors it wants, one after another in one buffer per call
+            wholes, pos = [], 0
+            for t, wire, owner in run:
+                wholes.append((pos, t.shape, wire) if owner == me else None)
+                pos += _aligned(math.prod(t.shape) * wire.itemsize) if owner == me else 0
+            wholes.append(pos)
             flat_in = self._buffer("in", device, sum(in_split))
             views = [flat_in[off:off + nb].view(run[k][1]).view(-1, *run[k][0].shape[1:])
                      for k, off, nb in ins]
             pack = CopyList(views) if views else None
-            plan = self._packs[key] = ((pack, [k for k, _, _ in ins]), in_split, out_split, pieces)
+            plan = self._packs[key] = ((pack, [k for k, _, _ in ins]), in_split, out_split, pieces, wholes)
             if len(self._packs) > 1024:
                 self._packs.clear()
-        (pack, order_k), in_split, out_split, pieces = plan
+        (pack, order_k), in_split, out_split, pieces, wholes = plan
         if pack is not None:
-            pack.run([run[k][0].to_local() for k in order_k])  # the cast, into the flat buffer
+            pack.run([locals_[k] for k in order_k])  # the cast, into the flat buffer
         flat_in = self._buffer("in", device, sum(in_split))
         flat_out = self._buffer("out", device, sum(out_split))
         dist.all_to_all_single(flat_out, flat_in, out_split, in_split, group=pg)
-        fulls: list[torch.Tensor | None] = [torch.empty(t.shape, dtype=wire, device=device) if owner == me
-                                            else None for t, wire, owner in run]
+        flat = torch.empty(max(1, wholes[-1]), dtype=torch.uint8, device=device)
+        fulls: list[torch.Tensor | None] = [
+            None if w is None else flat[w[0]:w[0] + math.prod(w[1]) * w[2].itemsize].view(w[2]).view(w[1])
+            for w in wholes[:-1]]
         dsts, srcs = [], []
         for k, lo, hi, off in pieces:
             if hi > lo:

@@ -286,6 +286,28 @@ def _timed_peak(rdv: Rendezvous, device: torch.device, fn: Any) -> tuple[float, 
     return t, torch.cuda.max_memory_allocated(device) - base
 
 
+def _profiled(name: str, rank: int, fn: Any) -> Any:
+    """``fn``, or, where ``WEIGHTBUS_BENCH_PROFILE`` names this column (``weightbus``,
+    ``sharded``, ...) on ``rank`` (``WEIGHTBUS_BENCH_PROFILE_RANK``, default 0), ``fn``
+    under cProfile, printing its top functions by own time: where a row's host time goes."""
+    if os.environ.get("WEIGHTBUS_BENCH_PROFILE") != name \
+            or int(os.environ.get("WEIGHTBUS_BENCH_PROFILE_RANK", "0")) != rank:
+        return fn
+
+    def run() -> None:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+        print(f"--- cProfile of {name!r} on rank {rank}\n" + out.getvalue(), flush=True)
+    return run
+
+
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
              floor: Any, weightbus: Any, naive: Any = None, delta: Any = None,
              more: dict[str, Any] | None = None) -> tuple[dict[str, list[float]], int]:
@@ -304,14 +326,15 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
         got = {"floor": _timed(rdv, device, floor)}
         if naive:
             got["naive"] = _timed(rdv, device, naive)
-        got["weightbus"], peak_now = _timed_peak(rdv, device, weightbus)
+        got["weightbus"], peak_now = _timed_peak(
+            rdv, device, _profiled("weightbus", rdv.rank, weightbus) if it == cfg.iters else weightbus)
         peak = max(peak, peak_now)
         if delta is not None:
             got["delta"], delta_peak = _timed_peak(rdv, device, delta)
             if it:  # (the warm-up round allocates the snapshots, counted apart)
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         for k, fn in more.items():
-            got[k] = _timed(rdv, device, fn)
+            got[k] = _timed(rdv, device, _profiled(k, rdv.rank, fn) if it == cfg.iters else fn)
         if it:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
