@@ -255,11 +255,14 @@ class ModuleSource:
 
     def _run_group(self, i: int, t: Any) -> Any:
         """The process group of tensor ``i``'s mesh if it can join a run to owners (dim-0
-        sharded on a 1-D mesh), else None."""
+        sharded on a 1-D mesh, and under ``_FLAT_MAX`` whole: a large tensor's gather costs
+        what its bytes cost, and batching it would only hold more memory), else None."""
         known = self._runnable.get(i)
         if known is None or known[0] is not t:
-            known = self._runnable[i] = (t, t.device_mesh.get_group() if _gatherable(t) else None,
-                                         self.wire_dtype(t))
+            wire = self.wire_dtype(t)
+            small = math.prod(t.shape) * wire.itemsize < _FLAT_MAX  # (a large one goes alone: as before)
+            known = self._runnable[i] = (t, t.device_mesh.get_group() if small and _gatherable(t) else None,
+                                         wire)
         return known[1]
 
     def _run_to_owners(self, run: list[tuple[int, str, Any, int, Any]]
@@ -503,7 +506,7 @@ class _ToOwners:
 
     def __init__(self) -> None:
         self._buf: dict[Any, torch.Tensor] = {}
-        self._packs: dict[tuple, tuple[Any, list[int], list[int], list[tuple[int, int, int, int]]]] = {}
+        self._packs: dict[tuple, tuple[Any, ...]] = {}  # run (and its sources) -> its layout
 
     def _buffer(self, which: str, device: torch.device, nbytes: int) -> torch.Tensor:
         have = self._buf.get((which, device))
@@ -528,7 +531,9 @@ class _ToOwners:
         world, me = dist.get_world_size(pg), dist.get_rank(pg)
         locals_ = [t.to_local() for t, _, _ in run]
         device = locals_[0].device
-        key = (id(pg), device, tuple((t.shape, wire, owner) for t, wire, owner in run))
+        # (the sources in the key: the cast into the flat buffer is tabled once for them)
+        key = (id(pg), device, tuple((t.shape, wire, owner) for t, wire, owner in run),
+               tuple(x.data_ptr() for x in locals_))
         plan = self._packs.get(key)
         if plan is None:
             # every rank's rows of each tensor: torch.chunk's split (ceil; the last short or empty)
@@ -565,13 +570,13 @@ class _ToOwners:
             flat_in = self._buffer("in", device, sum(in_split))
             views = [flat_in[off:off + nb].view(run[k][1]).view(-1, *run[k][0].shape[1:])
                      for k, off, nb in ins]
-            pack = CopyList(views) if views else None
-            plan = self._packs[key] = ((pack, [k for k, _, _ in ins]), in_split, out_split, pieces, wholes)
+            pack = CopyList(views, [locals_[k] for k, _, _ in ins]) if views else None
+            plan = self._packs[key] = (pack, in_split, out_split, pieces, wholes)
             if len(self._packs) > 1024:
                 self._packs.clear()
-        (pack, order_k), in_split, out_split, pieces, wholes = plan
+        pack, in_split, out_split, pieces, wholes = plan
         if pack is not None:
-            pack.run([locals_[k] for k in order_k])  # the cast, into the flat buffer
+            pack.run()  # the cast, into the flat buffer
         flat_in = self._buffer("in", device, sum(in_split))
         flat_out = self._buffer("out", device, sum(out_split))
         dist.all_to_all_single(flat_out, flat_in, out_split, in_split, group=pg)
