@@ -303,6 +303,13 @@ def into_destinations(rank: int, port: int):
     return out
 
 
+def _counting(fn, calls: dict, key: str):
+    def call(*a, **kw):
+        calls[key] += 1
+        return fn(*a, **kw)
+    return call
+
+
 def sharded_source(rank: int, port: int):
     """FSDP2 (gloo) parameters through ModuleSource: gathered to one owner, to all ranks,
     and straight into given targets, even and uneven shards alike; every result equals
@@ -341,7 +348,19 @@ def sharded_source(rank: int, port: int):
         # each tensor wanted whole on one rank: one all-to-all per run of them (or a gather
         # each with WEIGHTBUS_FLAT_GATHERS=0), whatever the mix of owners
         for owner in (lambda i: i % 2, lambda i: 1, lambda i: int(i in (1, 2, 5))):
-            got = list(source.iter_for(lambda i, o=owner: frozenset({o(i)}), rank))
+            calls = {"gather": 0, "all_to_all_single": 0}
+            real = {k: getattr(dist, k) for k in calls}
+
+            for k in calls:
+                setattr(dist, k, _counting(real[k], calls, k))
+            try:
+                got = list(source.iter_for(lambda i, o=owner: frozenset({o(i)}), rank))
+            finally:
+                for k in calls:
+                    setattr(dist, k, real[k])
+            # per update, collectives per run of tensors, not per tensor
+            assert calls == ({"gather": 0, "all_to_all_single": 1} if flat == "1"
+                             else {"gather": n, "all_to_all_single": 0}), (flat, calls)
             assert [g[0] for g in got] == names, flat
             for i, (name, t) in enumerate(got):
                 assert (t is None) == (owner(i) != rank), (flat, name)
