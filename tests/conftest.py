@@ -24,6 +24,34 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: the modules that take longest, run first: each worker takes a whole module at a time
+#: (--dist loadfile), and a long one drawn last keeps one worker busy after the others end
+_FIRST = ("test_faults.py", "test_manager.py", "test_manager_ray.py", "test_faults_colocated.py",
+          "test_delta.py", "test_simulate.py", "test_readme.py", "test_first_hour.py", "test_sglang_sink.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # (stable: the rest as found)
+
+
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per module (set-up, calls and tear-down): what to order and balance by."""
+    if not _module_seconds:
+        return
+    top = sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:12]
+    terminalreporter.write_line("seconds per module: "
+                                + ", ".join(f"{m.split('/')[-1]} {s:.0f}" for m, s in top))
+
+
 @pytest.fixture
 def port():
     """A held TCPStore server: workers rendezvous through it."""
