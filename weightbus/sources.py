@@ -150,6 +150,7 @@ class ModuleSource:
         live.seen()
         self._fit.clear()  # (gather targets were worked out for the tensors held before)
         self._runnable.clear()
+        self._to_owners = None  # (its copy tables hold the tensors held before)
 
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
@@ -277,7 +278,7 @@ class ModuleSource:
         if self._to_owners is None:
             self._to_owners = _ToOwners()
         fulls = self._to_owners.run([(t, self._runnable[i][2], owner) for i, _, t, owner, _ in run],
-                                    run[0][4])
+                                    run[0][4], first=run[0][0])
         for (_, name, *_), full in zip(run, fulls, strict=True):
             yield name, full
 
@@ -522,20 +523,21 @@ class _ToOwners:
         return have[:nbytes]
 
     @torch.no_grad()
-    def run(self, run: list[tuple[Any, torch.dtype, int]], pg: Any) -> list[torch.Tensor | None]:
+    def run(self, run: list[tuple[Any, torch.dtype, int]], pg: Any, first: int) -> list[torch.Tensor | None]:
         """``run``: (DTensor, wire dtype, the rank of ``pg`` that wants it whole), every
-        tensor sharded over ``pg``; returns the whole tensors in order, ``None`` for those
-        another rank wants."""
+        tensor sharded over ``pg``, the first of them the source's tensor ``first``; returns
+        the whole tensors in order, ``None`` for those another rank wants."""
         from weightbus.packing.buffers import CopyList, copy_group
 
         world, me = dist.get_world_size(pg), dist.get_rank(pg)
         locals_ = [t.to_local() for t, _, _ in run]
         device = locals_[0].device
-        # (the sources in the key: the cast into the flat buffer is tabled once for them)
-        key = (id(pg), device, tuple((t.shape, wire, owner) for t, wire, owner in run),
-               tuple(x.data_ptr() for x in locals_))
+        key = (id(pg), device, first, tuple((t.shape, wire, owner) for t, wire, owner in run))
+        # the cast into the flat buffer is tabled for the sources it was made with: made again
+        # (and the old ones let go) where a tensor now lives elsewhere
+        ptrs = tuple(x.data_ptr() for x in locals_)
         plan = self._packs.get(key)
-        if plan is None:
+        if plan is None or plan[-1] != ptrs:
             # every rank's rows of each tensor: torch.chunk's split (ceil; the last short or empty)
             spans = []
             for t, wire, _ in run:
@@ -571,10 +573,10 @@ class _ToOwners:
             views = [flat_in[off:off + nb].view(run[k][1]).view(-1, *run[k][0].shape[1:])
                      for k, off, nb in ins]
             pack = CopyList(views, [locals_[k] for k, _, _ in ins]) if views else None
-            plan = self._packs[key] = (pack, in_split, out_split, pieces, wholes)
+            plan = self._packs[key] = (pack, in_split, out_split, pieces, wholes, ptrs)
             if len(self._packs) > 1024:
                 self._packs.clear()
-        pack, in_split, out_split, pieces, wholes = plan
+        pack, in_split, out_split, pieces, wholes, _ = plan
         if pack is not None:
             pack.run()  # the cast, into the flat buffer
         flat_in = self._buffer("in", device, sum(in_split))
