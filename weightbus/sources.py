@@ -467,7 +467,7 @@ class _FlatGather:
             offsets, seg = [], 0
             for _, _, _, target in group:
                 offsets.append(seg)
-                seg += -(-(target.nbytes // world) // _FLAT_ALIGN) * _FLAT_ALIGN
+                seg += _aligned(target.nbytes // world)
             device = group[0][3].device
             flat_in, flat_out = self._buffers(pg, device, seg, world)
             ins, dsts, srcs, own = [], [], [], []
@@ -587,13 +587,10 @@ class _ToOwners:
             None if w is None else flat[w[0]:w[0] + math.prod(w[1]) * w[2].itemsize].view(w[2]).view(w[1])
             for w in wholes[:-1]]
         dsts, srcs = [], []
-        for k, lo, hi, off in pieces:
-            if hi > lo:
-                full = fulls[k]
-                nb = full[lo:hi].nbytes  # type: ignore[index]
-                dsts.append(full[lo:hi])  # type: ignore[index]
-                srcs.append(flat_out[off:off + nb].view(full.dtype)  # type: ignore[union-attr]
-                            .view(hi - lo, *full.shape[1:]))  # type: ignore[union-attr]
+        for k, lo, hi, off in pieces:  # (only the ranks that hold rows of it)
+            part = fulls[k][lo:hi]  # type: ignore[index]
+            dsts.append(part)
+            srcs.append(flat_out[off:off + part.nbytes].view(part.dtype).view(part.shape))
         if dsts:
             copy_group(dsts, srcs)
         return fulls
