@@ -9,10 +9,10 @@ import signal
 import time
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import workers_faults
 
 from weightbus.packing import buffers
+from weightbus.runtime.group import process_context
 
 DEADLINE = 2.5
 #: how a survivor's error names the phase it lost its peer in
@@ -72,9 +72,10 @@ def lose_one(port: int, backend: str, lost: int, phase: str, how: str, delta: bo
 
 def _lose_once(port: int, backend: str, lost: int, phase: str, how: str, delta: bool,
                sharded: bool, gpu: bool = False) -> tuple[dict, list]:
-    # (spawned, not forked from the suite's server: with 2.5 s deadlines, forked workers that
-    # all start at once on a loaded 2-core host missed the first update's formation in CI)
-    ctx = mp.get_context("spawn")
+    # forked from the suite's server (tests/conftest.py), which imported torch once: spawned,
+    # the ~50 cases' ~150 ranks spent ~300 s of CI's CPU importing it (a set-up that misses
+    # its formation deadline on a loaded host is run once more: lose_one)
+    ctx = process_context()
     out = ctx.Queue()
     args = (port, backend, lost, phase, how, DEADLINE, out)
     procs = [ctx.Process(target=workers_faults.peer_lost, args=(r, *args),

@@ -15,7 +15,6 @@ import time
 
 import mgr_workers
 import pytest
-import torch.multiprocessing as mp
 import workers
 import workers_faults
 import workers_shards
@@ -34,7 +33,7 @@ from rl_workers import Rollout
 
 from weightbus import UpdateFailed
 from weightbus.manager import CheckpointEngineManager
-from weightbus.runtime.group import LocalWorkerGroup, call
+from weightbus.runtime.group import LocalWorkerGroup, call, process_context
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -80,7 +79,7 @@ def test_peer_lost_in_a_sharded_update(port, who, phase):
 
 def _formation_of(target, ranks, *args) -> list:
     """Each rank's (rank, error, seconds) from ``target`` in a process of its own."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, out)) for r in ranks]
     for p in procs:

@@ -286,6 +286,11 @@ class ColocatedEngine(BucketEngine):
         except Exception:
             # an owner that died before every peer mapped its segments could not unlink them
             buffers.sweep_stale_segments()
+            # nor will this group map ours: their names go now, whatever way this process
+            # ends (the next prepare() makes new ones for a group formed again)
+            for sb in self._shared:
+                if sb.owner:
+                    sb.unlink()
             raise
         self._ctl_rank = rank
         # every rank has joined, so every rollout has mapped the slots (it maps them before
