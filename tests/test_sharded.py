@@ -39,6 +39,71 @@ def test_each_rollout_rank_receives_only_its_shard(port, T):
     assert all(b > 0 for b in sent), sent
 
 
+@pytest.mark.parametrize("T,mixed", [(2, False), (3, False), (3, True)])
+def test_fsdp_trainers_each_send_their_own_rows(port, T, mixed):
+    """The trainers hold the weights as FSDP2 does (dim-0 shards, uneven: 11 rows over 3
+    ranks are 4, 4, 3; 3 rows, 1, 1, 1; the receivers split some along dim 1, across the
+    trainers' rows). Each trainer sends the receivers' pieces of its own rows: no
+    collective at all on the trainers, every trainer sends part of every update, no byte
+    is sent twice, and every rank's regions are bitwise the trainer's, update after
+    update (the shards written in place between them). ``mixed``: beside them a plain
+    tensor (sent whole by one trainer, no collective) and a replicated DTensor (the one
+    tensor made whole: one ``full_tensor`` per update)."""
+    from weightbus.comm import free_port
+    out = spawn(ws.run, T + R, (T, R, port, 3, 4096, False, 1, 0, "gloo", free_port(), mixed), timeout=240)
+    for r in range(R):
+        got = out[T + r]
+        assert got["wrong"] == [], got["wrong"]
+        assert got["whole"] == ["rotary.inv_freq"]
+        assert [s["bytes"] for s in got["stats"]] == [_shard_bytes(r)] * 3, got["stats"]
+    for t in range(T):
+        want = {"full_tensor": 1, "redistribute": 1} if mixed else {}  # (full_tensor redistributes)
+        assert out[t]["collectives"] == [want] * 3, out[t]["collectives"]
+        assert all(s["wire_bytes"] > 0 for s in out[t]["stats"]), (t, out[t]["stats"])
+    # each trainer sent the buckets of its rows the plan names (each piece once), no more
+    plan = _fsdp_plan(T, mixed)
+    for t in range(T):
+        assert [s["wire_bytes"] for s in out[t]["stats"]] == [sum(b.wire_bytes for b in plan.sent_by(t))] * 3
+
+
+def _fsdp_plan(T, mixed=False):
+    """The plan of an FSDP2-sharded source (torch.chunk's rows over T trainers; ``mixed``:
+    the norm and the rotary table whole)."""
+    from weightbus.engines.sharded import check_placements
+    metas = [TensorMeta(n, torch.float32, s) for n, s in ws.SHAPES.items()]
+    splits = []
+    for n, s in ws.SHAPES.items():
+        step = -(-s[0] // T)
+        whole = mixed and n in ("norm.weight", "rotary.inv_freq")
+        splits.append(None if whole else (0, [min(s[0], k * step) for k in range(T + 1)]))
+    layouts = [check_placements(ws.placements(ws.rollout_params(r, R), r, R), "test") for r in range(R)]
+    return ShardPlan(Manifest(metas, splits=splits), layouts, 4096, T)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_a_plan_of_split_tensors_sends_each_piece_from_the_rows_that_hold_it(T):
+    """Split tensors: every piece a sender packs lies in its own rows, every receiver gets
+    each element it wants once; more senders than rows leave the extra ones out."""
+    plan = _fsdp_plan(T)
+    metas = plan.manifest.metas
+    assert set(plan.split) == set(range(len(metas)))
+    for b in plan:
+        for p in b.pieces:
+            lo, hi = plan.split[p.tensor][1][b.owner:b.owner + 2]
+            assert lo <= p.box.start[0] and p.box.start[0] + p.box.size[0] <= hi, (b.owner, p)
+    for r in range(R):
+        got: dict = {}
+        for b in plan.received_by(r):
+            for p in b.pieces:
+                got.setdefault(p.tensor, []).append(p.box)
+        for i, boxes in got.items():  # (no element twice)
+            assert not any(a.overlaps(c) for j, a in enumerate(boxes) for c in boxes[j + 1:]), metas[i]
+        assert plan.bytes_for(r) == _shard_bytes(r)
+    if T == 5:  # (3 rows over 5 trainers: the last two hold none of only_rank0.weight)
+        i = [m.name for m in metas].index("only_rank0.weight")
+        assert {b.owner for b in plan for p in b.pieces if p.tensor == i} == {0, 1, 2}
+
+
 def test_destinations_moved_between_updates_are_written_where_they_are_now(port):
     """The receiver tables its destinations' views once (a MoE's buckets hold thousands of
     pieces); a destination whose memory moved under the same tensor object since (``set_``,

@@ -68,13 +68,78 @@ def expected(step: int, r: int, R: int) -> dict[str, torch.Tensor]:
     return want
 
 
+_GATHERS = ("gather", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast")
+
+
+def _fsdp_source(rank: int, T: int, fsdp_port: int, mixed: bool) -> tuple[ModuleSource, dict]:
+    """The trainer ranks' own gloo group, and step 0's weights as FSDP2 holds them:
+    DTensors sharded along dim 0 over the T ranks (torch.chunk's rows: uneven, some ranks
+    holding none of the small ones), in one source followed across updates. ``mixed``:
+    the norm is replicated (a DTensor held otherwise: gathered to its sender) and the
+    rotary table a plain tensor (a buffer every rank holds)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=T)
+    mesh = init_device_mesh("cpu", (T,))
+    held = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in weights(0).items()}
+    if mixed:
+        held["norm.weight"] = distribute_tensor(weights(0)["norm.weight"], mesh, [Replicate()])
+        held["rotary.inv_freq"] = weights(0)["rotary.inv_freq"]
+    return ModuleSource(held), held
+
+
+def _write_step(held: dict, step: int) -> None:
+    """``step``'s weights written into the trainer's shards in place (an optimizer step)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for n, t in weights(step).items():
+        h = held[n]
+        if isinstance(h, DTensor):
+            h.to_local().copy_(distribute_tensor(t, h.device_mesh, h.placements).to_local())
+        else:
+            h.copy_(t)
+
+
+def _counted(calls: dict):
+    """Every collective a sharded source could gather with (torch.distributed's and a
+    DTensor's own), counted into ``calls`` while the context is open."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    @contextlib.contextmanager
+    def ctx():
+        real = {k: getattr(dist, k) for k in _GATHERS} | {"full_tensor": DTensor.full_tensor,
+                                                         "redistribute": DTensor.redistribute}
+
+        def counting(key):
+            def call(*a, **kw):
+                calls[key] = calls.get(key, 0) + 1
+                return real[key](*a, **kw)
+            return call
+        for k in _GATHERS:
+            setattr(dist, k, counting(k))
+        DTensor.full_tensor, DTensor.redistribute = counting("full_tensor"), counting("redistribute")
+        try:
+            yield
+        finally:
+            for k in _GATHERS:
+                setattr(dist, k, real[k])
+            DTensor.full_tensor, DTensor.redistribute = real["full_tensor"], real["redistribute"]
+    return ctx()
+
+
 def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: bool = False,
-        replicas: int = 1, relay: int = 0, backend: str = "gloo") -> dict:
+        replicas: int = 1, relay: int = 0, backend: str = "gloo", fsdp_port: int | None = None,
+        mixed: bool = False) -> dict:
     """``R`` TP ranks in each of ``replicas`` replicas (rollout rank q is TP rank q % R of
     replica q // R), every engine made with ``relay``. ``move``: after each update, the
     rollout moves some destinations' memory under the same tensor objects (``set_``, as
     ``param.data = ...`` or a reallocating module does). ``backend`` "nccl": every rank's
-    weights on its own GPU (cuda:rank)."""
+    weights on its own GPU (cuda:rank). ``fsdp_port``: the trainers hold the weights as
+    FSDP2 does (:func:`_fsdp_source`, ``mixed`` or not), each update written into their
+    shards in place, and count the collectives each update made (``out["collectives"]``)."""
     torch.set_num_threads(1)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
@@ -87,9 +152,17 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: boo
         params = {n: t.to(dev) for n, t in rollout_params(r, R).items()}
         engine.set_shard_destinations(placements(params, r, R))
     connect(engine, rdv, T, R * replicas)
-    out: dict = {"stats": [], "wrong": []}
+    out: dict = {"stats": [], "wrong": [], "collectives": []}
+    if trainer and fsdp_port is not None:
+        source, held = _fsdp_source(rank, T, fsdp_port, mixed)
     for step in range(1, steps + 1):
-        if trainer:
+        if trainer and fsdp_port is not None:
+            _write_step(held, step)
+            calls: dict = {}
+            with _counted(calls):
+                stats = asyncio.run(engine.send_weights(source, version=step))
+            out["collectives"].append(calls)
+        elif trainer:
             mine = {n: t.to(dev) for n, t in weights(step).items()}
             stats = asyncio.run(engine.send_weights(ModuleSource(mine), version=step))
         else:
@@ -107,6 +180,9 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: boo
                     params[n].set_(torch.full_like(params[n], float("nan")))
         out["stats"].append(stats.to_dict())
     engine.finalize(destroy_group=True)
+    if trainer and fsdp_port is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
     return out
 
 

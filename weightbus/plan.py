@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -92,12 +92,31 @@ class Manifest:
     ``units`` (optional, with ``homes``: one id per tensor) marks tensors made together
     (the Hugging Face tensors split from one fused parameter share one id, consecutively):
     the plan keeps a unit with one packer where it can, so none is made twice.
+
+    ``splits`` (optional, one entry per tensor) says where the sender ranks each hold one
+    contiguous range of a tensor along one dimension (FSDP2's ``Shard(dim)``): ``(dim,
+    bounds)``, sender rank s holding indices ``bounds[s]:bounds[s + 1]`` along ``dim``;
+    None where a tensor is not split so. A sharded plan for as many senders as the bounds
+    name then has each sender send the receivers' pieces of its own range, and no tensor
+    is gathered; other plans ignore it.
     """
 
     def __init__(self, metas: Iterable[TensorMeta],
                  homes: Iterable[Iterable[int] | None] | None = None,
-                 units: Iterable[int] | None = None):
+                 units: Iterable[int] | None = None,
+                 splits: Iterable[tuple[int, Sequence[int]] | None] | None = None):
         self.metas: tuple[TensorMeta, ...] = tuple(metas)
+        self.splits: tuple[tuple[int, tuple[int, ...]] | None, ...] | None = None
+        if splits is not None:
+            self.splits = tuple(None if x is None else (int(x[0]), tuple(map(int, x[1]))) for x in splits)
+            if len(self.splits) != len(self.metas):
+                raise PlanError(f"the manifest has {len(self.metas)} tensors but {len(self.splits)} splits")
+            for m, x in zip(self.metas, self.splits, strict=True):
+                if x is not None and not _valid_split(x, m.shape):
+                    raise PlanError(f"tensor {m.describe()}: its split {x} is not (dim, bounds) with "
+                                    f"bounds rising from 0 to the size of that dim")
+            if all(x is None for x in self.splits):
+                self.splits = None
         self.units: tuple[int, ...] | None = tuple(units) if units is not None else None
         if self.units is not None and len(self.units) != len(self.metas):
             raise PlanError(f"the manifest has {len(self.metas)} tensors but {len(self.units)} units")
@@ -172,12 +191,12 @@ class Manifest:
 
     @cached_property
     def fingerprint(self) -> int:
-        """The tensors' fingerprint, and the homes where there are any (they shape the
-        plan, so every rank must hold the same): what the header announces."""
-        if self.homes is None:
+        """The tensors' fingerprint, and the homes and splits where there are any (they
+        shape the plan, so every rank must hold the same): what the header announces."""
+        if self.homes is None and self.splits is None:
             return self.tensors_fingerprint
-        h = hashlib.blake2b(repr((self.tensors_fingerprint, self.units,
-                                  [None if x is None else sorted(x) for x in self.homes])).encode(),
+        homes = None if self.homes is None else [None if x is None else sorted(x) for x in self.homes]
+        h = hashlib.blake2b(repr((self.tensors_fingerprint, self.units, homes, self.splits)).encode(),
                             digest_size=8)
         return struct.unpack("<q", h.digest())[0] & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -189,14 +208,14 @@ class Manifest:
         return pickle.dumps(
             ([(m.name, str(m.dtype).removeprefix("torch."), m.shape) for m in self.metas],
              None if self.homes is None else [None if h is None else sorted(h) for h in self.homes],
-             self.units),
+             self.units, self.splits),
             protocol=4,
         )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        metas, homes, units = pickle.loads(data)
-        return cls((TensorMeta(n, getattr(torch, d), tuple(s)) for n, d, s in metas), homes, units)
+        metas, homes, units, splits = pickle.loads(data)
+        return cls((TensorMeta(n, getattr(torch, d), tuple(s)) for n, d, s in metas), homes, units, splits)
 
     def first_difference(self, other: Manifest) -> str:
         """A one-line description of where ``other`` (theirs) departs from ``self`` (ours)."""
@@ -217,12 +236,23 @@ class Manifest:
                         f"{held(a)}, theirs {held(b)}")
         if self.units != other.units:
             return "in which tensors are made together (units)"
+        for i, (a, b) in enumerate(zip(self.splits or [None] * len(self), other.splits or [None] * len(self),
+                                       strict=True)):
+            if a != b:
+                return (f"in how the senders split {self.metas[i].describe()} (position {i}): ours {a}, "
+                        f"theirs {b}")
         return "no difference"
 
     def check_same(self, other: Manifest, where: str) -> None:
         """Raise unless ``other`` has the same tensors (what a receiver expects)."""
         if not self.same_tensors(other):
             raise ManifestMismatch(f"{where}: manifests differ {self.first_difference(other)}")
+
+
+def _valid_split(split: tuple[int, tuple[int, ...]], shape: tuple[int, ...]) -> bool:
+    dim, bounds = split
+    return (0 <= dim < len(shape) and len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == shape[dim]
+            and all(a <= b for a, b in zip(bounds, bounds[1:], strict=False)))
 
 
 @dataclass(frozen=True)

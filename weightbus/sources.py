@@ -75,6 +75,7 @@ class ModuleSource:
         homes: list[tuple[Any, str] | None] = []  # where each tensor is read again at each update
         where = _homes(weights, items)
         metas = []
+        splits: list[tuple[int, tuple[int, ...]] | None] = []  # (each trainer rank's own range)
         for name, t in items.items():
             if not isinstance(t, torch.Tensor):
                 raise PlanError(f"ModuleSource: {name!r} is of type {type(t).__name__}, not a tensor; give "
@@ -91,7 +92,8 @@ class ModuleSource:
             self._items.append((out, t))
             homes.append(where.get(name))
             metas.append(TensorMeta(out, self.wire_dtype(t), tuple(t.shape)))
-        self.manifest = Manifest(metas)
+            splits.append(_split_of(t) if _is_dtensor(t) else None)
+        self.manifest = Manifest(metas, splits=splits)
         self._live = _Live(homes) if any(h is not None for h in homes) else None
         self._followed = False  # plain_tensors() just followed: the next iteration need not
         # Tensors with no autograd (a module's state dict) are held by reference: the list
@@ -107,6 +109,7 @@ class ModuleSource:
         # None, its wire dtype): a DTensor's attributes cost microseconds, read once
         self._runnable: dict[int, tuple[Any, Any, torch.dtype]] = {}
         self._fit: dict[int, tuple[torch.Tensor, Any, int]] = {}
+        self._hand: tuple[int, list[torch.Tensor | None]] | None = None  # (rank, at_hand(rank))
 
     def wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         # 8-bit floats (fp8 weights) are already a wire format: casting them up would double
@@ -151,6 +154,7 @@ class ModuleSource:
         self._fit.clear()  # (gather targets were worked out for the tensors held before)
         self._runnable.clear()
         self._to_owners = None  # (its copy tables hold the tensors held before)
+        self._hand = None
 
     def plain_tensors(self) -> list[torch.Tensor] | None:
         """Every tensor in manifest order, when none is sharded (no DTensor): an engine
@@ -195,6 +199,38 @@ class ModuleSource:
                     continue
                 full = t.full_tensor() if _is_dtensor(t) else _detached(t)
                 yield i, *share_of(full, rank, world)
+
+    def at_hand(self, rank: int) -> list[torch.Tensor | None]:
+        """Every tensor as trainer rank ``rank`` holds it, with no communication, in
+        manifest order: its own range of a tensor the manifest splits (a DTensor's local
+        shard: ``manifest.splits``), a tensor that is not a DTensor whole, None for any
+        other DTensor. Made once, and again where tensors moved (:meth:`follow`): an
+        engine whose plan sends each rank's own ranges packs from it with no per-tensor
+        step. Raises :class:`PlanError` where ``rank`` is not this process's rank in a
+        split tensor's mesh (trainer rank r must be rank r of the mesh)."""
+        self._follow_once()
+        if self._hand is not None and self._hand[0] == rank:
+            return self._hand[1]
+        splits = self.manifest.splits or [None] * len(self._items)
+        out: list[torch.Tensor | None] = []
+        checked: set[int] = set()
+        for (name, t), split in zip(self._items, splits, strict=True):
+            if not _is_dtensor(t):
+                out.append(_detached(t))
+                continue
+            if split is None:
+                out.append(None)
+                continue
+            mesh = t.device_mesh
+            if id(mesh) not in checked:
+                if mesh.get_local_rank() != rank:
+                    raise PlanError(f"ModuleSource: tensor {name!r} is sharded over a device mesh where this "
+                                    f"process is rank {mesh.get_local_rank()}, but it sends as trainer rank "
+                                    f"{rank}: trainer rank r must be rank r of the mesh")
+                checked.add(id(mesh))
+            out.append(_local(t).detach())
+        self._hand = (rank, out)
+        return out
 
     def iter_for(self, owners: Callable[[int], frozenset[int]], rank: int,
                  into: Callable[[int], torch.Tensor | None] | None = None
@@ -242,6 +278,8 @@ class ModuleSource:
                 run, run_bytes = [], 0
             if need is None:
                 yield name, _detached(t)
+            elif not need:  # (nobody packs it whole: no collective on any rank)
+                yield name, None
             elif len(need) == 1 and _gatherable(t):
                 yield name, _gather(t, self.wire_dtype(t), to=next(iter(need)))
             elif len(need) == t.device_mesh.size() and _gatherable(t):
@@ -367,6 +405,23 @@ def _homes(weights: Any, items: Mapping[str, torch.Tensor]) -> dict[str, tuple[A
             if table.get(attr) is t:
                 out[name] = (table, attr)
     return out
+
+
+def _split_of(t: Any) -> tuple[int, tuple[int, ...]] | None:
+    """Where a DTensor's ranks each hold one contiguous range along one dim (``Shard(d)``
+    on a 1-D mesh, as FSDP2 shards: torch.chunk's ranges, the last ones short or empty):
+    ``(d, bounds)``; else None."""
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or len(t.placements) != 1 or type(t.placements[0]) is not Shard:
+        return None  # (a strided shard, as FSDP2 over TP makes, holds no one range)
+    d = t.placements[0].dim % max(1, t.dim())
+    n, world = t.shape[d], mesh.size()
+    step = -(-n // world) if n else 0
+    bounds = tuple(min(n, s * step) for s in range(world + 1))
+    me = mesh.get_local_rank()
+    if t.dim() == 0 or _local(t).shape[d] != bounds[me + 1] - bounds[me]:
+        return None  # (not torch.chunk's ranges)
+    return d, bounds
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

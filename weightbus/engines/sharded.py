@@ -239,6 +239,17 @@ def _cut(box: Box, shape: tuple[int, ...]) -> tuple[int, int, int] | tuple[slice
     return box.slices
 
 
+def _in_range(box: Box, shape: tuple[int, ...], dim: int, bounds: tuple[int, ...], sender: int
+              ) -> tuple[Box, tuple[int, ...]]:
+    """``box`` (inside ``sender``'s range of a split tensor) in the coordinates of that
+    range, and the range's shape."""
+    lo, hi = bounds[sender], bounds[sender + 1]
+    start, size = list(box.start), list(shape)
+    start[dim] -= lo
+    size[dim] = hi - lo
+    return Box(tuple(start), box.size), tuple(size)
+
+
 class _Pack:
     """One sender bucket in one slot: the slot's views (made once) and how each piece is
     cut from its tensor; per update, one copy list (casts included) from the pieces' views
@@ -248,14 +259,16 @@ class _Pack:
     cutting each anew per update, then checking it against its destination, cost more
     than its bytes (issue 52: 28,305 pieces of 30b-a3b at TP=3)."""
 
-    def __init__(self, slot: torch.Tensor, b: ShardBucket, manifest: Manifest):
-        metas = manifest.metas
+    def __init__(self, slot: torch.Tensor, b: ShardBucket, plan: ShardPlan):
+        metas = plan.manifest.metas
         dsts = []
         self.cuts: list[tuple[int, Any]] = []
         for p in b.pieces:
             m = metas[p.tensor]
             dsts.append(slot[p.offset:p.offset + p.nbytes].view(m.dtype).view(p.box.size))
-            self.cuts.append((p.tensor, _cut(p.box, m.shape)))
+            split = plan.split.get(p.tensor)  # (cut from the sender's own range of it)
+            self.cuts.append((p.tensor, _cut(p.box, m.shape) if split is None
+                              else _cut(*_in_range(p.box, m.shape, *split, b.owner))))
         self.names = [metas[p.tensor].name for p in b.pieces]
         self.tensors = list(dict.fromkeys(p.tensor for p in b.pieces))  # (each once, in order)
         self.copy = CopyList(dsts)
@@ -285,17 +298,29 @@ _SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "d
 
 # ------------------------------------------------------------------ sender
 
-def _walk(plan: ShardPlan, stream: Stream, rank: int, n_senders: int) -> dict[int, torch.Tensor]:
-    """The tensors sender ``rank`` sends boxes of, walking the stream in manifest order:
-    the one rank that sends boxes of a tensor materialises it (a sharded source gathers
-    it there, collectively); a tensor nobody keeps, nowhere."""
+def _walk(plan: ShardPlan, stream: Stream, rank: int, n_senders: int
+          ) -> dict[int, torch.Tensor] | list[torch.Tensor | None]:
+    """The tensors sender ``rank`` sends boxes of: of a tensor the plan splits, this
+    rank's own range (the source's :meth:`at_hand`, no communication); of the others, the
+    whole tensor on the one rank that sends its boxes, walking the stream in manifest
+    order (a sharded source gathers it there, collectively). Where no rank needs a tensor
+    gathered, the stream is not walked: the source's list is packed from as it is."""
     need = plan.tensors_of(rank)
-    sent = set().union(*(plan.tensors_of(s) for s in range(n_senders)))
+    at_hand = getattr(stream.source, "at_hand", None)
+    hand = at_hand(rank) if at_hand is not None and plan.split else None
+    if hand is not None and plan.all_at_hand(hand):
+        return hand
+    sent = set().union(*(plan.tensors_of(s) for s in range(n_senders))).difference(plan.split)
     it = stream.open(plan, lambda i: frozenset([plan.senders[i]]) if i in sent else frozenset(), rank)
     held: dict[int, torch.Tensor] = {}
     for i, m in enumerate(stream.manifest.metas):
         t = fetch(it, m, i, stream.strict_dtype)
         if i in need:
+            if i in plan.split:
+                if hand is None:
+                    raise PlanError(f"the weight source splits {m.describe()} over the trainer ranks but "
+                                    f"gives no rank its own range (at_hand)")
+                t = hand[i]
             if t is None and m.nbytes:
                 raise PlanError(f"the weight source gave no data for {m.describe()} on the rank "
                                 f"that sends it")
@@ -330,7 +355,7 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, versio
             continue
         if error is None:
             try:
-                _tabled(engine, _Pack, slot, b, manifest).run(held)
+                _tabled(engine, _Pack, slot, b, plan).run(held)
             except Exception as e:  # noqa: BLE001
                 error = f"{engine.where()}: sharded bucket {b.index}: {e}"
         down = down or engine._ship(b, slot, version, error)

@@ -194,6 +194,10 @@ class ShardLayout:
         return int.from_bytes(hashlib.blake2b(self.to_bytes(), digest_size=8).digest(), "little") >> 1
 
 
+def _by_tensor(item: tuple[int, Box, int]) -> int:
+    return item[0]
+
+
 def _pack(items: list[tuple[int, Box, int]], capacity: int) -> Iterator[tuple[tuple[Piece, ...], int]]:
     """(pieces, used bytes) of each bucket that (tensor, box, itemsize) items fill in order,
     a box cut where it does not fit one bucket."""
@@ -273,18 +277,36 @@ class ShardPlan:
         #: name them (its sink loads those whole: the fallback)
         self.fallbacks = [sum(1 for m in metas if layout is None or m.name not in layout.boxes)
                           for layout in layouts]
+        #: the tensors whose every sender holds its own range (the manifest's splits over
+        #: exactly these senders): each sends the receivers' pieces of its range, so none
+        #: is gathered; tensor -> (dim, bounds)
+        self.split: dict[int, tuple[int, tuple[int, ...]]] = {
+            i: x for i, x in enumerate(manifest.splits or ()) if x is not None and len(x[1]) == n_senders + 1}
         wanted = [0] * len(metas)
-        for w in wants:
+        load = [0] * n_senders  # (bytes each sender sends of its ranges: whole tensors go round them)
+        items: dict[tuple[int, int], list[tuple[int, Box, int]]] = {
+            (r, s): [] for r in range(len(wants)) for s in range(n_senders)}
+        for r, w in enumerate(wants):
             for i, b in w:
-                wanted[i] += b.numel * metas[i].dtype.itemsize
-        self.senders = self._senders(manifest, wanted, n_senders)
+                nbytes = b.numel * metas[i].dtype.itemsize
+                x = self.split.get(i)
+                if x is None:
+                    wanted[i] += nbytes
+                    continue
+                for s, part in self._parts(b, *x):
+                    items[(r, s)].append((i, part, metas[i].dtype.itemsize))
+                    load[s] += part.numel * metas[i].dtype.itemsize
+        self.senders = self._senders(manifest, wanted, n_senders, load, self.split)
+        for r, w in enumerate(wants):  # (the whole tensors, in order among the pieces of ranges)
+            for i, b in w:
+                if i not in self.split:
+                    items[(r, self.senders[i])].append((i, b, metas[i].dtype.itemsize))
         # the buckets of every (sender, receiver) pair, then all of them in one global
         # order: round j (a pair's j-th bucket), receiver, sender. A sender takes its
         # receivers in turn (they unpack at once, not one after another) and a receiver
         # its senders in turn; both orders agree with the global one: no cycle of waits.
-        pairs = {(r, s): list(_pack([(i, b, metas[i].dtype.itemsize) for i, b in w if self.senders[i] == s],
-                                    capacity))
-                 for r, w in enumerate(wants) for s in range(n_senders)}
+        pairs = {key: list(_pack(sorted(its, key=_by_tensor) if self.split else its, capacity))
+                 for key, its in items.items()}
         order = sorted((j, r, s) for (r, s), packed in pairs.items() for j in range(len(packed)))
         buckets: list[ShardBucket] = []
         turns, seqs = [0] * n_senders, [0] * len(wants)
@@ -298,18 +320,31 @@ class ShardPlan:
         self._got = [got[roots[r]] for r in range(R)]  # (a relayed rank: its root's buckets)
         self._holds = [{p.tensor for b in sent for p in b.pieces} for sent in self._sent]
         self._bytes = [sum(p.nbytes for b in got for p in b.pieces) for got in self._got]
+        self._hand_checked: tuple[object, bool] | None = None
 
     @staticmethod
-    def _senders(manifest: Manifest, wanted: list[int], n: int) -> list[int]:
-        """One sender per tensor: the least loaded (by bytes wanted) of those holding it,
-        the largest tensors placed first; ties go to the lowest rank."""
+    def _parts(box: Box, dim: int, bounds: tuple[int, ...]) -> Iterator[tuple[int, Box]]:
+        """(sender, the part of ``box`` in its range) for each sender whose range meets it."""
+        a, e = box.start[dim], box.start[dim] + box.size[dim]
+        for s in range(len(bounds) - 1):
+            lo, hi = max(a, bounds[s]), min(e, bounds[s + 1])
+            if lo < hi:
+                yield s, box if (lo, hi) == (a, e) else box._along(dim, lo - a, hi - lo)
+
+    @staticmethod
+    def _senders(manifest: Manifest, wanted: list[int], n: int, load: list[int] | None = None,
+                 split: Mapping[int, object] = {}) -> list[int]:  # noqa: B006 - (read only)
+        """One sender per tensor: the least loaded (by bytes wanted, over ``load`` to start)
+        of those holding it, the largest tensors placed first; ties go to the lowest rank.
+        (A tensor whose senders each send their own range, in ``split``: rank 0, unused.)"""
         homes = manifest.homes if n > 1 else None
-        load, out = [0] * n, [0] * len(wanted)
-        order = sorted(range(len(wanted)), key=lambda i: (-wanted[i], i))
+        load, out = list(load or [0] * n), [0] * len(wanted)
+        order = sorted((i for i in range(len(wanted)) if i not in split), key=lambda i: (-wanted[i], i))
         if homes is None or all(h is None for h in homes):
             # every rank holds every tensor: the least loaded is the heap's top (the same
             # choice as the scan below, in log n: 140k tensors x 256 senders took 14 s)
-            heap = [(0, r) for r in range(n)]
+            heap = [(load[r], r) for r in range(n)]
+            heapq.heapify(heap)
             for i in order:
                 w, s = heapq.heappop(heap)
                 out[i] = s
@@ -354,8 +389,24 @@ class ShardPlan:
         return self._bytes[receiver]
 
     def tensors_of(self, sender: int) -> set[int]:
-        """The tensors ``sender`` must hold (it sends boxes of them)."""
+        """The tensors ``sender`` must hold (it sends boxes of them; of a tensor in
+        :attr:`split`, of its own range)."""
         return self._holds[sender]
+
+    def all_at_hand(self, hand: Sequence[object]) -> bool:
+        """Whether a source's :meth:`~weightbus.sources.ModuleSource.at_hand` list gives
+        every sender what it sends with no gather: its own range of every tensor this plan
+        splits, and every other tensor sent whole. The same on every sender rank (which
+        tensors are split, or plain, is), so either every rank walks its stream, or none.
+        Checked once per list."""
+        if self._hand_checked is not None and self._hand_checked[0] is hand:
+            return self._hand_checked[1]
+        splits = self.manifest.splits or [None] * len(self.manifest)
+        sent = set().union(*self._holds)
+        ok = len(hand) == len(self.manifest) and all(
+            i in self.split or (splits[i] is None and hand[i] is not None) for i in sent)
+        self._hand_checked = (hand, ok)
+        return ok
 
     def __iter__(self) -> Iterator[ShardBucket]:
         return iter(self.buckets)
