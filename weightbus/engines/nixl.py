@@ -55,9 +55,6 @@ from weightbus.planning import topology as topology_mod
 
 _log = logging.getLogger("weightbus")
 
-#: seconds a wait sleeps between polls: short next to a bucket's transfer, long enough to
-#: leave the CPU to UCX's own threads and to the peer processes on the host
-_SPIN = 50e-6
 
 
 def _nixl_api() -> Any:
@@ -165,7 +162,12 @@ class NixlEngine(LinkedEngine):
         self._drop_agent()
         nixl_agent, nixl_agent_config = self._api
         self._agent_name = f"wb-{os.getpid()}-{id(self):x}-{secrets.token_hex(4)}"
-        self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+        # no progress thread: NIXL's Python API runs it with no delay between polls, a core
+        # busy for as long as the agent lives, updates or not (5.0 CPU-s in 5 s idle). This
+        # engine drives UCX itself, in every wait of an update: its writes' states, the
+        # notifications (WEIGHTBUS_NIXL_PROGRESS_THREAD=1 starts the thread)
+        self._agent = nixl_agent(self._agent_name, nixl_agent_config(
+            enable_prog_thread=config.flag("WEIGHTBUS_NIXL_PROGRESS_THREAD"), backends=["UCX"]))
         if not keep:
             keep = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
             self._forget_views()
@@ -346,6 +348,7 @@ class NixlEngine(LinkedEngine):
     def _settle_writes(self) -> None:
         """Let writes in flight end (within our patience), without failing on them."""
         deadline = time.monotonic() + self._patience
+        pause = comm.Pause()
         for key in list(self._writes):
             handle, _, _, state = self._writes.pop(key)
             while state == "PROC" and time.monotonic() < deadline:
@@ -353,7 +356,7 @@ class NixlEngine(LinkedEngine):
                     state = self._agent.check_xfer_state(handle)
                 except Exception:  # noqa: BLE001 - the peer is gone
                     break
-                time.sleep(_SPIN)
+                pause()
             self._release_handle(handle)
 
     def _poll(self) -> None:
@@ -475,6 +478,7 @@ class NixlEngine(LinkedEngine):
         tree = b.owner
         watch = _Watch(self, peer)
         key = (kind, b.index, peer)
+        pause = comm.Pause()
         while key not in self._inbox:
             if (tree in self._dead) if kind == "d" else (peer in self._cut):
                 return False
@@ -498,7 +502,7 @@ class NixlEngine(LinkedEngine):
                 else:
                     self._cut_off(peer, phase, why)
                 return False
-            time.sleep(_SPIN)
+            pause()
         self._inbox.discard(key)
         return True
 
@@ -563,6 +567,7 @@ class NixlEngine(LinkedEngine):
                 continue
             peer = self._writes[k][1]
             watch = _Watch(self, peer)
+            pause = comm.Pause()
             while k in self._writes and self._writes[k][3] == "PROC":
                 self._progress()
                 self._poll()  # (and answer pings meanwhile)
@@ -572,7 +577,7 @@ class NixlEngine(LinkedEngine):
                         self._cut_off(peer, f"write bucket {self._writes[k][2]} to {self._who(peer)}",
                                       f"still in flight {late}")
                         break
-                    time.sleep(_SPIN)
+                    pause()
             if k in self._writes:
                 self._release_handle(self._writes.pop(k)[0])
 
