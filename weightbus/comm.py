@@ -19,6 +19,24 @@ import torch.distributed as dist
 from weightbus.errors import WeightSyncError, as_timedelta
 
 
+class Pause:
+    """The sleeps of one polling wait (a one-sided transfer's state, a mailbox): ``first``
+    seconds while the wait is young (a bucket's transfer is milliseconds: it is seen within
+    tens of microseconds), then a tenth of the time waited so far, at most ``most``: a long
+    wait (a peer that has not started, a hang its deadline will name) leaves the CPU to the
+    other processes of the host, adding at most a tenth to the wait. (A poll every 50 us
+    kept a core busy for as long as a wait lasted.)"""
+
+    __slots__ = ("_t0", "first", "most")
+
+    def __init__(self, first: float = 50e-6, most: float = 2e-3):
+        self._t0 = time.monotonic()
+        self.first, self.most = first, most
+
+    def __call__(self) -> None:
+        time.sleep(min(self.most, max(self.first, 0.1 * (time.monotonic() - self._t0))))
+
+
 def local_address() -> str:
     """An address of this host that peers on other hosts can reach (best effort)."""
     host = socket.gethostname()

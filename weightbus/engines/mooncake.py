@@ -45,8 +45,6 @@ from weightbus.errors import PlanError, WeightSyncError, as_timedelta
 from weightbus.packing import buffers
 from weightbus.plan import Bucket, BucketPlan
 
-#: seconds between polls of a read in flight
-_SPIN = 50e-6
 _READY, _ACK = 1, 2  # gloo point-to-point tags of the two control words
 
 
@@ -302,6 +300,7 @@ class MooncakeEngine(LinkedEngine):
         if not batch:
             raise self._fail(phase, RuntimeError("Mooncake refused the read (is the peer gone?)"))
         deadline = time.monotonic() + self.timeout
+        pause = comm.Pause()
         while True:
             try:
                 state = self._te.transfer_check_status(batch)
@@ -313,7 +312,7 @@ class MooncakeEngine(LinkedEngine):
                 raise self._fail(phase, RuntimeError(f"Mooncake reports status {state} (is the peer gone?)"))
             if time.monotonic() > deadline:
                 raise self._fail(phase, TimeoutError(f"not done after {self.timeout:.0f}s"))
-            time.sleep(_SPIN)
+            pause()
 
 
 def _sources(trainer_metadata: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]]:
