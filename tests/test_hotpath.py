@@ -27,15 +27,18 @@ PER_TENSOR = 0.05
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("backend", ["gloo", "colocated", "gloo-sharded",
+@pytest.mark.parametrize("backend", ["gloo", "colocated", "gloo-sharded", "gloo-fsdp",
                                      pytest.param("colocated-direct", marks=GPU)])
 def test_update_work_grows_with_buckets_not_tensors(backend, port):
-    ranks = 3 if backend.endswith("sharded") else 2  # (sharded: a trainer, a replica of TP=2)
-    few = spawn(update_counts, ranks, (backend, FEW, BYTES // FEW, BUCKET, port), timeout=120)
+    # (sharded: a trainer, a replica of TP=2; fsdp: two FSDP2 trainer ranks, that replica)
+    ranks = {"gloo-sharded": 3, "gloo-fsdp": 4}.get(backend, 2)
+    from weightbus.comm import free_port
+    few = spawn(update_counts, ranks, (backend, FEW, BYTES // FEW, BUCKET, port, free_port()), timeout=120)
     import torch.distributed as dist  # a second store: the first one's keys are used
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    many = spawn(update_counts, ranks, (backend, MANY, BYTES // MANY, BUCKET, store.port), timeout=120)
-    sides = ("trainer", *(f"rollout {r}" for r in range(ranks - 1)))
+    many = spawn(update_counts, ranks, (backend, MANY, BYTES // MANY, BUCKET, store.port, free_port()),
+                 timeout=120)
+    sides = [("trainer " if got["trainer"] else "rollout ") + str(r) for r, got in enumerate(few)]
     for side, a, b in zip(sides, few, many, strict=True):
         assert a["buckets"] == b["buckets"], (side, a, b)
         for what in ("lines", "calls", "ops"):
@@ -45,7 +48,8 @@ def test_update_work_grows_with_buckets_not_tensors(backend, port):
                 f"tensors in the same {a['buckets']} buckets ({a[what]} -> {b[what]}): something "
                 f"in the hot path works per tensor")
     for got in (few, many):  # delivered, bitwise (sharded: each rank its half)
-        assert got[0]["sum"] == sum(r["sum"] for r in got[1:]), got
+        sent = sum(r["sum"] for r in got if r["trainer"])
+        assert sent == sum(r["sum"] for r in got if not r["trainer"]), got
 
 
 @GPU

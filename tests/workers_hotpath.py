@@ -56,34 +56,45 @@ def counted(fn) -> dict[str, int]:  # noqa: ANN001
 
 
 def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, bucket: int,
-                  port: int) -> dict[str, int]:
+                  port: int, fsdp_port: int = 0) -> dict[str, int]:
     """Trainer (rank 0) sends a model of ``tensors`` flat bf16 tensors to a rollout (rank 1)
     that loads it with a sink made per update, as users write it; weights change between
     updates. ``gloo-sharded``: to two rollout ranks (1, 2) of one TP=2 replica, each
-    receiving only its half of every tensor into its own (sharded receive). Returns the
-    counts of the third update, and a checksum of what this rank holds to compare."""
-    trainer = rank == 0
+    receiving only its half of every tensor into its own (sharded receive).
+    ``gloo-fsdp``: two trainer ranks (0, 1) holding the model as FSDP2 does (each its rows
+    of every tensor, a gloo mesh at ``fsdp_port``) to two TP ranks (2, 3), each trainer
+    sending its own rows. Returns the counts of the third update, and a checksum of what
+    this rank holds to compare."""
     name, _, mode = backend.partition("-")  # colocated-direct: the GPU's direct mode
+    T = 2 if mode == "fsdp" else 1
+    trainer = rank < T
     native.pointer_library(wait=True)  # (counted as it runs once built: not while it builds)
-    tp = 2 if mode == "sharded" else 1
-    rdv = Rendezvous("127.0.0.1", port, rank, 1 + tp, timeout=60)
+    tp = 2 if mode in ("sharded", "fsdp") else 1
+    rdv = Rendezvous("127.0.0.1", port, rank, T + tp, timeout=60)
     n = tensor_bytes // 2
     g = torch.Generator().manual_seed(0)
     device = torch.device("cuda", 0) if mode == "direct" else torch.device("cpu")
-    size = n if trainer else chunk_box((n,), 0, rank - 1, tp).size[0]  # (uneven: torch.chunk's split)
+    size = n if trainer else chunk_box((n,), 0, rank - T, tp).size[0]  # (uneven: torch.chunk's split)
     weights = {f"layers.{i}.w": (torch.randn(size, generator=g) if trainer else torch.zeros(size)).bfloat16()
                .to(device) for i in range(tensors)}
+    if trainer and mode == "fsdp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=T)
+        mesh = init_device_mesh("cpu", (T,))
+        weights = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in weights.items()}
     engine = CheckpointEngineRegistry.new(name, role="trainer" if trainer else "rollout",
                                           bucket_size=bucket, timeout=60, device=device)
     if not trainer:
         if mode == "direct":
             engine.set_destinations(weights, direct=True)
-        elif mode == "sharded":
-            engine.set_shard_destinations(tp_placements(weights, rank - 1, tp,
+        elif mode in ("sharded", "fsdp"):
+            engine.set_shard_destinations(tp_placements(weights, rank - T, tp,
                                                         split={k: (0, (n,)) for k in weights}))
         else:
             engine.set_destinations(weights)
-    connect(engine, rdv, 1, tp)
+    connect(engine, rdv, T, tp)
     source = ModuleSource(weights) if trainer else None
 
     async def placed() -> None:  # (sharded: every region is written where it lands, none yielded)
@@ -93,7 +104,7 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
     def update() -> None:
         if trainer:
             asyncio.run(engine.send_weights(source))
-        elif mode == "sharded":
+        elif mode in ("sharded", "fsdp"):
             asyncio.run(placed())
         else:
             asyncio.run(ModuleSink(weights).load(engine.receive_weights()))
@@ -103,14 +114,18 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
         if trainer:
             with torch.no_grad():
                 for t in weights.values():
-                    t.add_(1.0)
+                    (t.to_local() if mode == "fsdp" else t).add_(1.0)
         rdv.all_gather(None)
         if step:  # (the first count also pays for what counting itself imports)
             out = counted(update)
         else:
             update()
     out["buckets"] = engine.last_stats.buckets  # type: ignore[union-attr]
-    flat = torch.cat([t.view(torch.int16).to(torch.int64).cpu() for t in weights.values()])
+    held = [t.to_local() if mode == "fsdp" and trainer else t for t in weights.values()]
+    flat = torch.cat([t.view(torch.int16).to(torch.int64).cpu() for t in held])
     out["sum"] = int(flat.sum())
+    out["trainer"] = trainer
     engine.finalize(destroy_group=True)
+    if trainer and mode == "fsdp":
+        torch.distributed.destroy_process_group()
     return out
