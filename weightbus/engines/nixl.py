@@ -73,6 +73,40 @@ def _nixl_api() -> Any:
     return nixl_agent, nixl_agent_config
 
 
+#: microseconds NIXL's progress thread sleeps between its polls (WEIGHTBUS_NIXL_PROGRESS_US)
+_PROGRESS_US = 100
+
+
+def _new_agent(nixl_agent: Any, nixl_agent_config: Any, name: str) -> Any:
+    """A NIXL agent (UCX) whose progress thread sleeps between its polls.
+
+    The thread moves the bytes a peer writes into this agent's memory (over TCP or shared
+    memory nothing else does while this rank is not polling) and its notifications. NIXL's
+    Python API (1.5) runs it with no pause at all: a core busy for as long as the agent
+    lives, between updates too (5.0 CPU-s of 5 s idle; 0.1 at 100 us). The pause is a field
+    of the C++ config that API fills in and does not expose; its view of the bindings is
+    wrapped while it builds this one agent. ``WEIGHTBUS_NIXL_PROGRESS_US=0``: NIXL's own."""
+    import sys
+    import types
+    delay = config.env_integer("WEIGHTBUS_NIXL_PROGRESS_US", minimum=0, maximum=1_000_000)
+    delay = _PROGRESS_US if delay is None else delay
+    api = sys.modules.get(nixl_agent.__module__)
+    bind = getattr(api, "nixlBind", None)
+    if not delay or bind is None or not hasattr(bind, "nixlAgent"):
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+    def agent_with_delay(agent_name: str, cfg: Any) -> Any:
+        cfg.pthrDelay = delay
+        return bind.nixlAgent(agent_name, cfg)
+    shim = types.SimpleNamespace(**{k: getattr(bind, k) for k in dir(bind) if not k.startswith("__")})
+    shim.nixlAgent = agent_with_delay
+    api.nixlBind = shim  # type: ignore[union-attr]
+    try:
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    finally:
+        api.nixlBind = bind  # type: ignore[union-attr]
+
+
 @CheckpointEngineRegistry.register("nixl")
 class NixlEngine(LinkedEngine):
     """Chains (or trees) of NIXL one-sided writes (see the module doc). Elastic: replicas
@@ -162,12 +196,7 @@ class NixlEngine(LinkedEngine):
         self._drop_agent()
         nixl_agent, nixl_agent_config = self._api
         self._agent_name = f"wb-{os.getpid()}-{id(self):x}-{secrets.token_hex(4)}"
-        # no progress thread: NIXL's Python API runs it with no delay between polls, a core
-        # busy for as long as the agent lives, updates or not (5.0 CPU-s in 5 s idle). This
-        # engine drives UCX itself, in every wait of an update: its writes' states, the
-        # notifications (WEIGHTBUS_NIXL_PROGRESS_THREAD=1 starts the thread)
-        self._agent = nixl_agent(self._agent_name, nixl_agent_config(
-            enable_prog_thread=config.flag("WEIGHTBUS_NIXL_PROGRESS_THREAD"), backends=["UCX"]))
+        self._agent = _new_agent(nixl_agent, nixl_agent_config, self._agent_name)
         if not keep:
             keep = [buffers.allocate(self.bucket_size, self.device) for _ in range(self.num_buffers)]
             self._forget_views()
