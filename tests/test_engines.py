@@ -225,3 +225,21 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
                     in r[k]["error"]
                 assert "the next update is sent whole" in r[k]["error"]
             assert all(r[k]["version"] is None for r in rollouts)
+
+
+@pytest.mark.skipif(not NIXL, reason="NIXL is not installed")
+def test_an_idle_nixl_engine_leaves_the_cpu_alone():
+    """The agent's progress thread pauses between its polls (NIXL's Python API runs it with
+    no pause: a core busy for as long as the engine lives, 5 CPU-s in 5 s idle)."""
+    import time
+
+    from weightbus import CheckpointEngineRegistry
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=1 << 16, timeout=30)
+    engine.prepare()  # (its agent, its thread and its slots)
+    try:
+        t0 = time.process_time()
+        time.sleep(2)
+        used = time.process_time() - t0  # (every thread of this process)
+    finally:
+        engine.finalize(destroy_group=True)
+    assert used < 0.5, f"an idle nixl engine used {used:.2f} CPU-s in 2 s"
