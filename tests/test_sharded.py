@@ -104,6 +104,20 @@ def test_a_plan_of_split_tensors_sends_each_piece_from_the_rows_that_hold_it(T):
         assert {b.owner for b in plan for p in b.pieces if p.tensor == i} == {0, 1, 2}
 
 
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_a_split_tensor_of_no_elements_reaches_each_receiver_once(T):
+    """A tensor of size 0 (no rows, or no columns) that receivers take whole: one piece of
+    no bytes each, from one sender, so each receiver assembles it, and yields it, once."""
+    shapes = {"no_rows": (0, 8), "no_cols": (4, 0), "w": (5, 3)}
+    metas = [TensorMeta(n, torch.float32, s) for n, s in shapes.items()]
+    splits = [(0, [min(s[0], k * -(-s[0] // T)) for k in range(T)] + [s[0]]) for s in shapes.values()]
+    plan = ShardPlan(Manifest(metas, splits=splits), [None, None], 4096, T)
+    for r in range(R):
+        pieces = [p for b in plan.received_by(r) for p in b.pieces]
+        assert sorted(p.tensor for p in pieces if p.tensor < 2) == [0, 1], pieces
+        assert sum(p.box.numel for p in pieces if p.tensor == 2) == 15
+
+
 def test_destinations_moved_between_updates_are_written_where_they_are_now(port):
     """The receiver tables its destinations' views once (a MoE's buckets hold thousands of
     pieces); a destination whose memory moved under the same tensor object since (``set_``,

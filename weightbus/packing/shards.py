@@ -324,12 +324,19 @@ class ShardPlan:
 
     @staticmethod
     def _parts(box: Box, dim: int, bounds: tuple[int, ...]) -> Iterator[tuple[int, Box]]:
-        """(sender, the part of ``box`` in its range) for each sender whose range meets it."""
+        """(sender, the part of ``box`` in its range) for each sender whose range meets it.
+        A box of no elements (a tensor of size 0, wanted whole) is one part: its receiver
+        hears of it once, as with one sender."""
         a, e = box.start[dim], box.start[dim] + box.size[dim]
+        empty = not box.numel
         for s in range(len(bounds) - 1):
             lo, hi = max(a, bounds[s]), min(e, bounds[s + 1])
             if lo < hi:
                 yield s, box if (lo, hi) == (a, e) else box._along(dim, lo - a, hi - lo)
+                if empty:
+                    return
+        if empty:  # (no rows along the split dim: sender 0's range is as empty)
+            yield 0, box
 
     @staticmethod
     def _senders(manifest: Manifest, wanted: list[int], n: int, load: list[int] | None = None,
