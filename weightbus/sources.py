@@ -20,6 +20,7 @@ from torch import nn
 from weightbus import comm, config
 from weightbus.errors import PlanError
 from weightbus.packing import native
+from weightbus.packing.shards import chunk_box
 from weightbus.plan import Manifest, TensorMeta, share_of, unsendable
 
 NameMap = Callable[[str], "str | None"]
@@ -412,14 +413,12 @@ def _split_of(t: Any) -> tuple[int, tuple[int, ...]] | None:
     on a 1-D mesh, as FSDP2 shards: torch.chunk's ranges, the last ones short or empty):
     ``(d, bounds)``; else None."""
     mesh = t.device_mesh
-    if mesh.ndim != 1 or len(t.placements) != 1 or type(t.placements[0]) is not Shard:
+    if t.dim() == 0 or mesh.ndim != 1 or len(t.placements) != 1 or type(t.placements[0]) is not Shard:
         return None  # (a strided shard, as FSDP2 over TP makes, holds no one range)
-    d = t.placements[0].dim % max(1, t.dim())
-    n, world = t.shape[d], mesh.size()
-    step = -(-n // world) if n else 0
-    bounds = tuple(min(n, s * step) for s in range(world + 1))
+    d, world = t.placements[0].dim % t.dim(), mesh.size()
+    bounds = tuple(chunk_box(t.shape, d, s, world).start[d] for s in range(world)) + (t.shape[d],)
     me = mesh.get_local_rank()
-    if t.dim() == 0 or _local(t).shape[d] != bounds[me + 1] - bounds[me]:
+    if _local(t).shape[d] != bounds[me + 1] - bounds[me]:
         return None  # (not torch.chunk's ranges)
     return d, bounds
 

@@ -40,7 +40,9 @@ import logging
 import os
 import pickle  # control words among our own ranks
 import secrets
+import sys
 import time
+import types
 from typing import Any
 
 import torch
@@ -86,8 +88,6 @@ def _new_agent(nixl_agent: Any, nixl_agent_config: Any, name: str) -> Any:
     lives, between updates too (5.0 CPU-s of 5 s idle; 0.1 at 100 us). The pause is a field
     of the C++ config that API fills in and does not expose; its view of the bindings is
     wrapped while it builds this one agent. ``WEIGHTBUS_NIXL_PROGRESS_US=0``: NIXL's own."""
-    import sys
-    import types
     delay = config.env_integer("WEIGHTBUS_NIXL_PROGRESS_US", minimum=0, maximum=1_000_000)
     delay = _PROGRESS_US if delay is None else delay
     api = sys.modules.get(nixl_agent.__module__)
