@@ -66,35 +66,38 @@ $(DEMO_BIN)/.installed: pyproject.toml $(UV)
 demo: $(DEMO_BIN)/.installed
 	$(DEMO_BIN)/weightbus demo
 
-# The other jobs' venvs build while the main suite runs (uv waits on the network and the
-# disk, the suite on the CPUs); each job prints its slowest tests and its wall time.
+# The other jobs' venvs build, ruff checks and the docs build while the main suite runs
+# (uv waits on the network and the disk, the suite on the CPUs); each job prints its
+# slowest tests and its wall time.
 test: $(BIN)/.installed
-	$(BIN)/ruff check .
-	$(MAKE) docs
-	$(MAKE) -j5 --output-sync=target test-main $(MEGATRON_BIN)/.installed $(VERL_BIN)/.installed \
+	$(MAKE) -j7 --output-sync=target lint docs test-main $(MEGATRON_BIN)/.installed $(VERL_BIN)/.installed \
 	  $(VLLM_BIN)/.installed $(VLLM_OLD_BIN)/.installed
 	@start=$$(date +%s); $(MAKE) -j2 --output-sync=target test-vllms test-others; \
 	  rc=$$?; echo "vLLM 0.32 and $(VLLM_OLD) beside Megatron and verl: $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# two chains of about the same length on CI's two cores (the vLLM suites ~510 s, Megatron
-# and verl ~530 s): with the old vLLM behind verl, the vLLM chain ended ~150 s before the
-# other and left a core idle
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+
+# two chains of about the same length on CI's two cores (measured at ee29bdc: the vLLM 0.32
+# suite 534 s; Megatron 58, verl 489 and the old vLLM 58 s; verl has since lost a case and
+# the vLLM suite an engine start)
 test-vllms:
 	$(MAKE) test-vllm
-	$(MAKE) test-vllm-old
 
 test-others:
 	$(MAKE) test-megatron
+	$(MAKE) test-vllm-old
 	$(MAKE) test-verl
 
-# three workers, a test module each (a module's shared set-up stays in one process): most of
-# the suite waits on other processes and deadlines, so 3 fit 2 cores; their worker
-# processes fork from a server that imported torch once (tests/conftest.py): 745 s here,
-# 1169 s spawning each (one process took ~1430 s in CI). Tests that compare all of /dev/shm before and after
-# (marked serial) run alone afterwards: other workers' caches would come and go under them.
+# Tests that compare all of /dev/shm before and after (marked serial) run alone first: other
+# workers' caches would come and go under them. They mostly wait (the machine was 81% idle
+# while they ran last): the venvs, ruff and the docs build beside them. Then three workers, a
+# test module each (a module's shared set-up stays in one process): most of the suite waits
+# on other processes and deadlines, so 3 fit 2 cores; their worker processes fork from a
+# server that imported torch once (tests/conftest.py): 745 s here, 1169 s spawning each.
 test-main: $(BIN)/.installed
-	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not serial" --durations=15; \
-	  rc=$$?; $(BIN)/python -m pytest -q -m serial --durations=5 || rc=1; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m serial --durations=5; \
+	  rc=$$?; $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not serial" --durations=15 || rc=1; \
 	  echo "main suite: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Megatron-core trainers (CPU, gloo) with mbridge for the Hugging Face names, in a venv of

@@ -200,7 +200,8 @@ def test_gpu_kernels_make_the_records_torch_makes(dtype, capacity, group, monkey
         _as_on_a_gpu(m)
         got = [ds.records(_pieces(weights), manifest, sk, True, capacity)]
     kinds = set()
-    for step, fraction in enumerate([0.0005, 0.01, 0.05, 0.3, 0.95]):
+    # (three steps, each kind at least once: the interpreter runs a program per record)
+    for step, fraction in enumerate([0.0005, 0.05, 0.95]):
         _mutate(weights, fraction, 20 + step)
         with monkeypatch.context() as m:
             m.setattr(kernels, "usable", lambda *tensors: None)

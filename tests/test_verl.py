@@ -162,13 +162,14 @@ def _check(actor_wg, rollout_wgs) -> None:
             assert not bad and set(got) == set(want), f"rollout rank {rank}: {bad[:3]} differ"
 
 
+# (bf16 on the wire from the fp32 FSDP trainers: the nixl case here, gloo in
+# test_verl_own_rollout_check, where verl's own harness checks what arrived)
 @pytest.mark.parametrize("backend, options, trainers, rollouts", [
     ("weightbus.gloo", {}, 2, 2),
-    ("weightbus.gloo", {"wire_dtype": "bfloat16"}, 2, 1),
     ("weightbus.colocated", {}, 2, 2),
     ("weightbus.shm", {"cache_name": f"verl-test-{os.getpid()}"}, 1, 2),
     ("weightbus.nixl", {"wire_dtype": "bfloat16"}, 2, 2),
-], ids=["gloo", "gloo-bf16-wire", "colocated", "shm", "nixl"])
+], ids=["gloo", "colocated", "shm", "nixl"])
 def test_verl_manager_updates_bitwise(cluster, verl, backend, options, trainers, rollouts):
     """verl's manager, verl's FSDP2 trainers and verl's rollout workers over a weightbus
     backend: three steps that each move every weight, bitwise on every rollout rank, the

@@ -180,10 +180,11 @@ def family_config(family):
                               tie_word_embeddings=False)
     if family == "llama-tied":  # tied embeddings
         return tf.LlamaConfig(**common, intermediate_size=256, head_dim=64, tie_word_embeddings=True)
-    if family == "qwen3-moe":  # 8 experts, top-2, every layer sparse
+    if family == "qwen3-moe":  # 8 experts, top-2; the first layer's MLP dense (mlp_only_layers),
+        # so one model holds every layer kind: fused qkv, dense gate_up/down, experts
         return tf.Qwen3MoeConfig(**common, intermediate_size=256, moe_intermediate_size=64, head_dim=64,
                                  num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                                 mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
+                                 mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False)
     if family == "mixtral":  # the other MoE layout: block_sparse_moe.experts.N.w1/w2/w3
         return tf.MixtralConfig(**common, intermediate_size=96, head_dim=64, num_local_experts=4,
                                 num_experts_per_tok=2, tie_word_embeddings=False)
