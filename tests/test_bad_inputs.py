@@ -73,6 +73,16 @@ def _quantized():
 
 
 # (id, call, expected error type, regex the message must match)
+class _Loaders:
+    """Shard destinations that place each region themselves (as vLLM's loaders do)."""
+
+    def layout(self, manifest):
+        return None
+
+    def place(self, name, box, data):
+        pass
+
+
 CASES = [
     # --- registry and engine options
     ("unknown-backend", lambda: CheckpointEngineRegistry.new("tcp"), WeightbusError, "unknown.*'tcp'.*gloo"),
@@ -189,8 +199,9 @@ CASES = [
      WeightbusError, "placements of 'w' must be \\(Box, tensor\\) pairs"),
     ("shard-dest-on-trainer", lambda: _engine(role="trainer").set_shard_destinations({}),
      WeightbusError, "only a rollout rank states shard destinations"),
-    ("shard-dest-with-delta", lambda: _engine(role="rollout", delta=True).set_shard_destinations({}),
-     WeightbusError, "does not combine with delta"),
+    ("shard-dest-with-delta", lambda: _engine(role="rollout", delta=True).set_shard_destinations(_Loaders()),
+     WeightbusError, "delta=True writes each change in place: sharded receive then needs destinations that "
+                     "are views .* _Loaders places each region itself"),
     ("shard-overlap", lambda: ShardPlan(Manifest([TensorMeta("w", torch.float32, (8, 4))]),
                                         [ShardLayout({"w": [Box.rows((8, 4), 0, 5), Box.rows((8, 4), 4, 8)]})], 1024, 1),
      WeightbusError, "rollout rank 0, tensor 'w': regions \\[0:5, 0:4\\] and \\[4:8, 0:4\\] overlap"),

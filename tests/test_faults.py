@@ -77,6 +77,22 @@ def test_peer_lost_in_a_sharded_update(port, who, phase):
                                         "final-status": PHASE_WORDS["final-status"]}[phase])
 
 
+@pytest.mark.parametrize("phase", ["mid-update", "final-status"])
+@pytest.mark.parametrize("who", ["trainer", "rollout"])
+def test_peer_lost_in_a_delta_update_of_a_sharded_group(port, who, phase):
+    """Delta mode on sharded receive (gloo: each rollout patches its own rows): after one
+    good (full) update the trainer or rollout 2 is SIGKILLed at ``phase`` of a delta
+    update; every survivor raises within the deadline naming the phase, and claims no
+    version it does not hold."""
+    results, _ = lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", delta=True, sharded=True)
+    # (a trainer lost while it diffs: the others at the agreement on the buckets' sizes; a
+    # rollout lost after its first patch: the trainer at a bucket it sends it, or at the
+    # final status, the other rollout at the final status)
+    words = {"mid-update": re.compile("agreeing on the sharded buckets|bucket \\d+|finish"),
+             "final-status": PHASE_WORDS["final-status"]}
+    survivors_failed_in_time(results, words[phase])
+
+
 def _formation_of(target, ranks, *args) -> list:
     """Each rank's (rank, error, seconds) from ``target`` in a process of its own."""
     ctx = process_context()

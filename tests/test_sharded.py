@@ -200,3 +200,47 @@ def test_the_manager_sends_a_tp_replica_only_its_shards():
         mgr.shutdown()
         trainer.shutdown()
         replica.shutdown()
+
+
+# ------------------------------------------------------------------ delta on sharded receive
+
+@pytest.mark.parametrize("T,R_,replicas,relay,fsdp",
+                         [(1, 2, 2, 0, False), (2, 3, 1, 0, True), (1, 2, 3, 1, False)],
+                         ids=["direct-2x-tp2", "fsdp2-to-tp3", "relay-3x-tp2"])
+def test_delta_on_sharded_receive_lands_each_change_on_its_keeper(port, T, R_, replicas, relay, fsdp):
+    """delta=True in a sharded group (issue 54): the first update goes whole, the next ones
+    as the changes of each receiver's own regions (uneven splits, fused qkv, experts, a
+    replicated norm in a strided destination, a tensor its layout leaves out written into
+    a destination of its own), each applied in place and checked; every rank bitwise after
+    every update (2% of every tensor changing per step, bf16). From FSDP2 trainers each
+    sends the changes of its own rows; direct, every replica is fed (the replicas' pieces
+    diffed once); relayed, the trainer feeds the first replica only."""
+    from weightbus.comm import free_port
+    out = spawn(ws.run_delta, T + R_ * replicas,
+                (T, R_, port, 4, 4096, replicas, relay, free_port() if fsdp else None), timeout=240)
+    for q in range(R_ * replicas):
+        got = out[T + q]
+        assert got["errors"] == [None] * 4 and got["wrong"] == [], (q, got["errors"], got["wrong"])
+        assert [s["delta"] for s in got["stats"]] == [False, True, True, True]
+        full, *deltas = [s["wire_bytes"] for s in got["stats"]]
+        assert max(deltas) < 0.5 * full, (q, full, deltas)  # (every byte a trailer or a record's)
+        assert len({s["bytes"] for s in got["stats"]}) == 1  # (its shard, whatever went on the wire)
+    sent = [sum(s["wire_bytes"] for s in out[t]["stats"][1:]) for t in range(T)]
+    roots = [T + q for q in range(R_ * (1 if relay else replicas))]  # (relayed: the first replica's)
+    assert sum(sent) == sum(sum(s["wire_bytes"] for s in out[q]["stats"][1:]) for q in roots), sent
+    assert all(b > 0 for b in sent), sent  # (each FSDP trainer sends the changes of its rows)
+
+
+def test_delta_on_sharded_receive_catches_a_drifted_copy_then_resyncs(port):
+    """A rollout rank's copy of its shard changed between updates where no patch wrote (a
+    bit flipped in its up.weight rows): the next update fails on every rank naming that
+    region, no rank claims its version, the one after goes whole and lands bitwise, and
+    the deltas go on."""
+    T = 1
+    out = spawn(ws.run_delta, T + R, (T, R, port, 5, 4096, 1, 0, None, 0.02, 3), timeout=240)
+    for rank, got in enumerate(out):
+        errors = got["errors"]
+        assert errors[:2] == [None, None] and errors[3:] == [None, None], (rank, errors)
+        assert "up.weight[4:7, 0:8]" in errors[2] and "no longer holds what the trainer sent" in errors[2]
+        assert [s and s["delta"] for s in got["stats"]] == [False, True, None, False, True]
+    assert all(got["wrong"] == [] for got in out[T:])

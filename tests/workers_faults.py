@@ -105,6 +105,16 @@ def peer_lost(rank: int, port: int, backend: str, lost: int, phase: str, how: st
         if rank == 0:
             weights = _DiesAfter(named, 3, how) if doomed and phase == "mid-update" else ModuleSource(named)
             asyncio.run(engine.send_weights(weights))
+        elif doomed and phase == "mid-update" and sharded and delta:
+            from weightbus.engines.delta import shards as ds
+            real_apply = ds._apply
+
+            def patch_then_lose(*a, **k):  # (its first bucket's changes applied)
+                got = real_apply(*a, **k)
+                _lose(how)
+                return got
+            ds._apply = patch_then_lose
+            asyncio.run(sink.load(engine.receive_weights()))
         elif doomed and phase == "mid-update" and sharded:
             import weightbus.engines.sharded as sh
             real_unpack = sh._Places.unpack

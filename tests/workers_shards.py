@@ -186,6 +186,99 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: boo
     return out
 
 
+def drifting(step: int, fraction: float) -> dict[str, torch.Tensor]:
+    """The trainer's weights at ``step`` when each step changes ``fraction`` of the elements
+    of every tensor (at least one; bf16, as a wire carries them): what delta updates carry."""
+    w = {n: t.to(torch.bfloat16) for n, t in weights(0).items()}
+    for s in range(1, step + 1):
+        g = torch.Generator().manual_seed(7000 + s)
+        for t in w.values():
+            flat = t.view(-1)
+            k = max(1, round(flat.numel() * fraction))
+            idx = torch.randperm(flat.numel(), generator=g)[:k]
+            flat[idx] = torch.randn(k, generator=g).to(torch.bfloat16)
+    return w
+
+
+def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, replicas: int = 1,
+              relay: int = 0, fsdp_port: int | None = None, fraction: float = 0.02,
+              flip: int | None = None, verify_every: int = 1) -> dict:
+    """Delta mode on sharded receive: ``R`` TP ranks in each of ``replicas`` replicas keep
+    their regions (the layouts of :func:`run`: uneven splits, fused qkv, experts, a
+    replicated norm whose destination is a strided view) and the tensor their layout does
+    not name in a destination of their own (``set_destinations``); the trainers (FSDP2
+    shards with ``fsdp_port``) change ``fraction`` of every tensor per step (bf16). Each
+    rollout rank reports every update's outcome, its regions bitwise, and the stats.
+    ``flip``: before that update, rollout rank 1 flips one bit of its up.weight shard (a
+    copy that drifted): that update must fail naming it, and the next one land whole."""
+    from weightbus.errors import WeightSyncError
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
+    trainer = rank < T
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
+                                          bucket_size=bucket, timeout=30, relay=relay, delta=True,
+                                          verify_every=verify_every)
+    r = (rank - T) % R
+    if not trainer:
+        params = {n: t.to(torch.bfloat16) for n, t in rollout_params(r, R).items()}
+        store = torch.full((H, 2), float("nan"), dtype=torch.bfloat16)  # (a strided destination)
+        params["norm.weight"] = store[:, 1]
+        engine.set_shard_destinations(placements(params, r, R))
+        rotary = torch.full((5,), float("nan"), dtype=torch.bfloat16)
+        engine.set_destinations({"rotary.inv_freq": rotary})
+    connect(engine, rdv, T, R * replicas)
+    out: dict = {"stats": [], "wrong": [], "errors": []}
+    if trainer and fsdp_port is not None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=T)
+        mesh = init_device_mesh("cpu", (T,))
+        held = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in drifting(0, fraction).items()}
+        source = ModuleSource(held)
+    for step in range(1, steps + 1):
+        w = drifting(step, fraction)
+        try:
+            if trainer and fsdp_port is not None:
+                for n, t in w.items():  # (an optimizer step, in place)
+                    held[n].to_local().copy_(distribute_tensor(t, mesh, [Shard(0)]).to_local())
+                stats = asyncio.run(engine.send_weights(source, version=step))
+            elif trainer:
+                stats = asyncio.run(engine.send_weights(ModuleSource(w), version=step))
+            else:
+                if flip == step and r == 1:
+                    params["up.weight"].view(-1)[:1].view(torch.int16).bitwise_xor_(1)
+
+                async def take():
+                    return [n async for n, _ in engine.receive_weights()]
+                assert asyncio.run(take()) == []  # (every tensor is written in place)
+                stats = engine.last_stats
+            out["errors"].append(None)
+        except WeightSyncError as e:
+            out["errors"].append(str(e))
+            stats = None
+        if not trainer and stats is not None:
+            want = {n: t.to(torch.bfloat16) for n, t in _expected_from(w, r, R).items()}
+            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
+            if not torch.equal(rotary, w["rotary.inv_freq"]):
+                out["wrong"].append(f"{step}:rotary.inv_freq")
+        out["stats"].append(stats.to_dict() if stats is not None else None)
+    engine.finalize(destroy_group=True)
+    if trainer and fsdp_port is not None:
+        dist.destroy_process_group()
+    return out
+
+
+def _expected_from(w: dict[str, torch.Tensor], r: int, R: int) -> dict[str, torch.Tensor]:
+    want = {n: chunk_box(SHAPES[n], d, r, R).of(w[n]) for n, d in SPLIT.items()}
+    want["norm.weight"] = w["norm.weight"]
+    want["qkv.weight"] = torch.cat([chunk_box(SHAPES[n], 0, r, R).of(w[n]) for n in ("q.weight", "k.weight",
+                                                                                      "v.weight")])
+    if r == 0:
+        want["only_rank0.weight"] = w["only_rank0.weight"]
+    return want
+
+
 def bad_layout(rank: int, T: int, R: int, port: int) -> dict:
     """Rollout rank 1 states a region no source holds (past the end of a tensor): every
     rank fails the update before a byte moves, naming the rank and the tensor; rank 1's

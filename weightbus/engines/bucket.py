@@ -43,6 +43,7 @@ from weightbus.engines.api import (
     Weights,
     WeightStream,
 )
+from weightbus.engines.delta import shards as delta_shards
 from weightbus.engines.streams import Stream, StreamBroken, fetch, resolve_stream
 from weightbus.errors import ConfigError, PlanError, TransferFailed, WeightSyncError
 from weightbus.packing import buffers
@@ -442,6 +443,8 @@ class BucketEngine(CheckpointEngine):
         """Move the bytes of one update (through buckets, unless a subclass has a better
         way); returns (error, bytes moved, buckets). ``stream`` is None after an error."""
         if self.delta:
+            if self._sharding:
+                return delta_shards.send(self, manifest, stream, version, error)
             return delta_mode.send(self, manifest, stream, version, error)
         if self._sharding:
             return sharded.send(self, manifest, stream, version, error)
@@ -641,7 +644,10 @@ class BucketEngine(CheckpointEngine):
         """Yields ``(name, tensor)``, or with ``batched`` one list of them per bucket."""
         start, version, manifest, error = self._open_receive(expected, validate)
         if self.delta:
-            yield from self._receive_delta(start, version, manifest, error, on_complete, batched)
+            if self._sharding:
+                yield from delta_shards.receive(self, start, version, manifest, error, on_complete, batched)
+            else:
+                yield from self._receive_delta(start, version, manifest, error, on_complete, batched)
             return
         if self._sharding:
             yield from sharded.receive(self, start, version, manifest, error, on_complete, batched)

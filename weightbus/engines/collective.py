@@ -77,8 +77,11 @@ class CollectiveEngine(BucketEngine):
         arrives whole through the stream, as without placements (counted in
         ``UpdateStats.fallbacks``); one named with no region is not received. The group
         learns that it shards when it forms; ``None`` takes whole tensors again (form anew)."""
-        if self.delta and placements is not None:
-            raise PlanError(f"{self.where()}: sharded receive does not combine with delta=True yet")
+        if self.delta and placements is not None and not isinstance(placements, Mapping) \
+                and not callable(getattr(placements, "region", None)):
+            raise PlanError(f"{self.where()}: delta=True writes each change in place: sharded receive then "
+                            f"needs destinations that are views (a mapping of placements, or Destinations "
+                            f"with region()); {type(placements).__name__} places each region itself")
         if self.role == "trainer":
             raise PlanError(f"{self.where()}: only a rollout rank states shard destinations")
         self._shard_copies = {}  # (views of the destinations before)

@@ -259,25 +259,31 @@ class _Pack:
     cutting each anew per update, then checking it against its destination, cost more
     than its bytes (issue 52: 28,305 pieces of 30b-a3b at TP=3)."""
 
-    def __init__(self, slot: torch.Tensor, b: ShardBucket, plan: ShardPlan):
+    def __init__(self, slot: torch.Tensor | None, b: ShardBucket, plan: ShardPlan):
         metas = plan.manifest.metas
         dsts = []
         self.cuts: list[tuple[int, Any]] = []
         for p in b.pieces:
             m = metas[p.tensor]
-            dsts.append(slot[p.offset:p.offset + p.nbytes].view(m.dtype).view(p.box.size))
+            if slot is not None:
+                dsts.append(slot[p.offset:p.offset + p.nbytes].view(m.dtype).view(p.box.size))
             split = plan.split.get(p.tensor)  # (cut from the sender's own range of it)
             self.cuts.append((p.tensor, _cut(p.box, m.shape) if split is None
                               else _cut(*_in_range(p.box, m.shape, *split, b.owner))))
         self.names = [metas[p.tensor].name for p in b.pieces]
         self.tensors = list(dict.fromkeys(p.tensor for p in b.pieces))  # (each once, in order)
-        self.copy = CopyList(dsts)
+        self.copy = CopyList(dsts) if slot is not None else None  # (None: the views only, see sources)
         # the views cut at the last update, and what their sources were then (the views
         # hold those sources' memory: an address seen again is the same memory)
         self._srcs: list[torch.Tensor] = []
         self._seen: tuple[Any, ...] | None = None
 
     def run(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> None:
+        assert self.copy is not None
+        self.copy.run(self.sources(held), self.names.__getitem__)
+
+    def sources(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's view of its source tensor (in the source's dtype)."""
         tensors = list(map(held.__getitem__, self.tensors))
         seen = (native.data_ptrs(tensors),
                 list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
@@ -290,7 +296,7 @@ class _Pack:
                 srcs.append(t if cut is None else t.narrow(*cut) if isinstance(cut[0], int) else t[cut])
             self._srcs = srcs
         self._seen = seen
-        self.copy.run(self._srcs, self.names.__getitem__)
+        return self._srcs
 
 
 _SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
@@ -328,23 +334,35 @@ def _walk(plan: ShardPlan, stream: Stream, rank: int, n_senders: int
     return held
 
 
+def held_by(engine: BucketEngine, plan: ShardPlan, stream: Stream | None, error: str | None
+            ) -> tuple[Mapping[int, torch.Tensor] | Sequence[torch.Tensor], str | None]:
+    """What this sender packs from (tensor index -> tensor), and the update's error."""
+    if stream is None or error is not None:
+        return {}, error
+    try:  # a source that holds every tensor hands them all: no step per tensor
+        return engine._held_tensors(stream) or _walk(plan, stream, engine.rank_in_senders,
+                                                     engine.n_senders), None
+    except StreamBroken as e:
+        return {}, f"{engine.where()}: the weight stream raised: {e.__cause__!r}"
+    except Exception as e:  # noqa: BLE001 - reported to every rank at the end
+        return {}, f"{engine.where()}: {e}"
+
+
 def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, version: int,
-         error: str | None) -> tuple[str | None, int, int]:
-    """Trainer rank: pack and send this rank's buckets; returns (error, bytes sent, buckets)."""
+         error: str | None, packed: Callable[[ShardBucket, torch.Tensor], None] | None = None,
+         held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] | None = None
+         ) -> tuple[str | None, int, int]:
+    """Trainer rank: pack and send this rank's buckets; returns (error, bytes sent, buckets).
+    ``packed(b, slot)``: called with each bucket packed, before it is sent (delta mode
+    keeps what it sent); ``held``: what :func:`held_by` gave the caller (a stream is
+    walked once per update)."""
     try:
         plan = plan_of(engine, manifest)
     except PlanError as e:  # every rank computes the same plan: every rank fails here alike
         return error or f"{engine.where()}: sharded plan of version {version}: {e}", 0, 0
-    rank = engine.rank_in_senders
-    mine = plan.sent_by(rank)
-    held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] = {}
-    if stream is not None and error is None:
-        try:  # a source that holds every tensor hands them all: no step per tensor
-            held = engine._held_tensors(stream) or _walk(plan, stream, rank, engine.n_senders)
-        except StreamBroken as e:
-            error = f"{engine.where()}: the weight stream raised: {e.__cause__!r}"
-        except Exception as e:  # noqa: BLE001 - reported to every rank at the end
-            error = f"{engine.where()}: {e}"
+    mine = plan.sent_by(engine.rank_in_senders)
+    if held is None:
+        held, error = held_by(engine, plan, stream, error)
     wire = 0
     down: str | None = None
     for b in mine:
@@ -356,6 +374,8 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, versio
         if error is None:
             try:
                 _tabled(engine, _Pack, slot, b, plan).run(held)
+                if packed is not None:
+                    packed(b, slot)
             except Exception as e:  # noqa: BLE001
                 error = f"{engine.where()}: sharded bucket {b.index}: {e}"
         down = down or engine._ship(b, slot, version, error)

@@ -631,9 +631,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     if delta is not None and not 0 < delta <= 1:
         raise PlanError(f"delta must be a fraction of the elements in (0, 1], got {delta}")
     if delta is not None and backend not in _DELTA:
-        raise PlanError(f"delta updates run on the bucket engines ({', '.join(_DELTA)}), not {backend}"
-                        + (" (delta and sharded receive do not combine in the engines yet)"
-                           if backend.startswith("sharded") else ""))
+        raise PlanError(f"delta updates run on the bucket engines ({', '.join(_DELTA)}), not {backend}")
     if verify_every < 0:
         raise PlanError(f"verify_every must be >= 0 (0: never), got {verify_every}")
     if relay is not None and (isinstance(relay, bool) or not isinstance(relay, int) or relay < 1):
@@ -669,6 +667,9 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
             parts["verify"] = max(u.received) / u.scale / (hbm * cal.verify_eff) / verify_every
         u.extra_gib += mine / GiB  # (the snapshot of what was sent)
         u.notes.append("delta: the floor is the dense update's (a delta update moves less)")
+        if backend.startswith("sharded"):  # (each rank's changes of its own regions, patched in place)
+            u.notes.append("delta on sharded receive: the rollout ranks' destinations must be views "
+                           "(fixed placements), not loaders that place each region themselves (vLLM's)")
     floor = floor_s(c, lay, shards.bytes, cal)
     return Prediction(backend, sum(parts.values()), floor, where if link_s else u.bound,
                       u.links.most("nic"), u.links.most("nvlink"), max(u.received) / GB, u.extra_gib,
@@ -686,7 +687,7 @@ def gather_each_s(manifest: Manifest, ranks: int, rate: float, cal: Calibration 
 
 #: the backends the simulator plays, and those that send delta updates
 BACKENDS = tuple(_SCHEDULES)
-_DELTA = ("nccl", "nixl", "mooncake")
+_DELTA = ("nccl", "nixl", "mooncake", "sharded", "sharded-relay")
 
 
 def _apply_x(changed: float, cal: Calibration) -> float:
@@ -778,8 +779,8 @@ def plan(c: Cluster, lay: Layout, manifest: Manifest, *, bucket_sizes: Sequence[
     if kw.get("delta") is not None:
         names = tuple(n for n in names if n in _DELTA)
         if not names:
-            raise PlanError("delta updates run on the bucket engines (nccl, nixl, mooncake), not on a "
-                            "colocated layout")
+            raise PlanError(f"delta updates run on the bucket engines ({', '.join(_DELTA)}), not on a "
+                            f"colocated layout")
     shards = Shards(manifest, lay.rollout_gpus)
     best: list[Prediction] = []
     for name in names:

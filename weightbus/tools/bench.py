@@ -117,9 +117,6 @@ class BenchConfig:
             if self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl"):
                 raise ValueError("rollout_tp= applies to the disaggregated scenario over gloo or nccl "
                                  "(sharded receive is point to point over their groups)")
-            if self.delta is not None:
-                raise ValueError("rollout_tp= and delta= do not combine (sharded receive has no delta "
-                                 "mode yet)")
             r = self.replicas
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ValueError(f"replicas must be an int >= 1, got {r!r}")
@@ -533,13 +530,14 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int, train_port: int) -> d
         delta_fn = _update_fn(delta_engine, source, delta_weights)
 
     shard_fn = relay_fn = shard_engine = relay_engine = shards = relayed = None
+    sdelta_fn = sdelta_engine = sdelta = None
     if cfg.rollout_tp:  # more engines: each rollout rank a TP rank keeping its rows
         tp_rank = (rank - T) % cfg.rollout_tp
 
-        def sharded_engine(relay: int) -> tuple[Any, Any, Any]:
+        def sharded_engine(relay: int, delta: bool = False) -> tuple[Any, Any, Any]:
             eng = CheckpointEngineRegistry.new(
                 cfg.engine, device=device, timeout=cfg.timeout, role="trainer" if trainer else "rollout",
-                bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, relay=relay)
+                bucket_size=cfg.bucket_mb << 20 if cfg.bucket_mb else None, relay=relay, delta=delta)
             dests = None
             if not trainer:
                 dests = {n: torch.zeros(_tp_box(s, tp_rank, cfg.rollout_tp).size, dtype=WIRE, device=device)
@@ -561,6 +559,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int, train_port: int) -> d
         shard_engine, shards, shard_fn = sharded_engine(0)
         if cfg.relay:
             relay_engine, relayed, relay_fn = sharded_engine(cfg.relay)
+        if cfg.delta is not None:  # delta mode on the same sharded plan: each rank's own changes
+            sdelta_engine, sdelta, sdelta_fn = sharded_engine(0, delta=True)
         # each receiver's bytes (its boxes of every tensor), for the floors: every receiver
         # fed from the trainer (direct), or the first replica's only (relayed)
         counts = [sum(_tp_box(s, r % cfg.rollout_tp, cfg.rollout_tp).numel for _, s in cfg.shapes())
@@ -596,6 +596,8 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int, train_port: int) -> d
         more.update(sharded_floor=sharded_floor, sharded=shard_fn)
     if relay_fn is not None:
         more.update(relayed_floor=relayed_floor, relayed=relay_fn)
+    if sdelta_fn is not None:
+        more.update(sharded_delta=sdelta_fn)
     times, peak = _measure(cfg, rdv, device, mutate, floor, weightbus, naive if group is not None else None,
                            delta_fn, more)
     if trainer and T > 1:  # the whole tensors, gathered (every trainer takes part), checked on rank 0
@@ -633,6 +635,15 @@ def _disaggregated(rank: int, cfg: BenchConfig, port: int, train_port: int) -> d
             if relay_engine is not None and _checksums(relayed) != result["shard_checksums"]:  # type: ignore[arg-type]
                 result["shard_checksums"] = {"relayed": "MISMATCH"}  # type: ignore[assignment]
         shard_engine.finalize(destroy_group=True)
+        if sdelta_engine is not None:
+            stats = sdelta_engine.last_stats
+            result.update(sharded_delta_wire=stats.wire_bytes if stats else 0,
+                          sharded_delta_full=sdelta_engine.last_full)
+            if not trainer and _checksums(sdelta) != result["shard_checksums"]:  # type: ignore[arg-type]
+                result["shard_checksums"] = {"sharded delta mode": "MISMATCH"}  # type: ignore[assignment]
+            if trainer:
+                result["sharded_wire"] = shard_engine.last_stats.wire_bytes  # type: ignore[union-attr]
+            sdelta_engine.finalize(destroy_group=True)
         if relay_engine is not None:
             result["relay_wire"] = relay_engine.last_stats.wire_bytes if trainer else 0  # type: ignore[union-attr]
             result["sharded_wire"] = shard_engine.last_stats.wire_bytes if trainer else 0  # type: ignore[union-attr]
@@ -819,6 +830,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                        relayed_floor_s=med["relayed_floor"],
                        relayed_ratio=med["relayed"] / med["relayed_floor"],
                        relay_sent_fraction=trainer["relay_wire"] / max(1, trainer["sharded_wire"]))
+    if cfg.delta is not None and cfg.rollout_tp:
+        row.update(sharded_delta_s=med["sharded_delta"],
+                   sharded_delta_vs_sharded=med["sharded_delta"] / med["sharded"],
+                   sharded_delta_wire_fraction=trainer["sharded_delta_wire"]
+                   / max(1, trainer["sharded_wire"]),
+                   sharded_delta_full=trainer["sharded_delta_full"])
     if cfg.delta is not None:
         row.update(delta_fraction=cfg.delta, delta_s=med["delta"],
                    delta_vs_dense=med["delta"] / med["weightbus"], delta_vs_floor=med["delta"] / med["floor"],
@@ -873,6 +890,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"{r['delta_vs_dense']:.2f}x dense, {r['delta_vs_floor']:.2f}x floor, +mem trn "
                          f"{r.get('delta_extra_trainer', 0) / 2**30:.2f}G"
                          + (" (went full)" if r.get("delta_full") else ""))
+        if r.get("sharded_delta_s") is not None:
+            lines.append(f"{'  sharded delta ' + format(r['delta_fraction'], '.1%'):<33} wire "
+                         f"{r['sharded_delta_wire_fraction']:6.1%} of sharded "
+                         f"{r['sharded_delta_s'] * 1e3:9.1f} ms = "
+                         f"{r['sharded_delta_vs_sharded']:.2f}x the sharded row (target <= 0.5x)"
+                         + (" (went full)" if r.get("sharded_delta_full") else ""))
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ class Chain:
         self.digest = 0
         self.sums: torch.Tensor | None = None  # int64 per tensor, on the host (None: not known)
         self.unchecked = 0  # delta updates applied since the destinations were last checked
+        self.plan: int | None = None  # sharded receive: the plan its pieces were numbered by
 
 
 def receive(engine: Engine, version: int, manifest: Manifest,

@@ -209,6 +209,14 @@ def _batch_records(batch: _Batch, done: tuple[torch.Tensor, torch.Tensor]) -> It
 
 
 
+def part_elements(e: int, capacity: int, host: bool) -> int:
+    """Elements of a piece diffed (and snapshotted) as one part: a dense record of them fits
+    a bucket of ``capacity`` bytes and, on a host, a kernel call's room for the worst case
+    (every element changed) stays small."""
+    most = max(1, (capacity - 2 * _HEADER) // e)
+    return min(most, max(1, _BATCH // e)) if host else most
+
+
 def records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
             full: bool, capacity: int) -> list[Record]:
     """Every record of this rank's pieces, each at most ``capacity`` bytes with its header,
@@ -279,9 +287,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
             cur = cur.contiguous()
         n, e = cur.numel(), meta.itemsize
         taken += n * e
-        most = max(1, (capacity - 2 * _HEADER) // e)  # a dense record fits a bucket
-        if cur.is_cpu:  # and a host call's room for the worst case (all changed) stays small
-            most = min(most, max(1, _BATCH // e))
+        most = part_elements(e, capacity, cur.is_cpu)
         for lo in range(0, n, most):
             part, m = (cur, n) if n <= most else (cur[lo:lo + most], min(most, n - lo))
             key = (index, start + lo)

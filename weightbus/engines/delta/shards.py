@@ -1,0 +1,481 @@
+"""Delta mode on sharded receive: each change lands, in the rollout rank's own coordinates,
+on the rank that keeps it (issue 54).
+
+A sharded group (:mod:`weightbus.engines.sharded`) moves the pieces of its
+:class:`~weightbus.packing.shards.ShardPlan`: sender ``s`` sends receiver ``r`` the boxes of
+the update tensors that ``r``'s layout keeps, cut at the senders' own rows where the
+trainers are FSDP shards. With ``delta=True`` the plan stays the same and every piece is a
+tensor of its own, flat in its box's order (the receiver's destination region, where the
+region is contiguous):
+
+- **Full update** (the first, a late joiner, a receiver that missed one, a new plan): the
+  plan's dense buckets, as without delta; each sender keeps a copy of every piece it sent
+  (its snapshot: the bytes of its own buckets, in the wire dtype), each receiver the
+  running digest of every piece it holds.
+- **Delta update**: each sender diffs every piece of its buckets against its snapshot and
+  encodes the records of the package's format (:mod:`.encoding`; the record's tensor is
+  the piece's number among its receiver's pieces, its range inside the piece). The
+  records of a bucket go in that bucket, at the bucket's own size: one all-reduce of
+  every bucket's size, then the same point-to-point transfers (and relay hops) as a dense
+  update. A receiver applies them in place (:func:`.receiver._apply`: the digest of every
+  record checked against its own old values), and checks the whole of its pieces every
+  ``verify_every`` updates, as delta mode does.
+
+So a receiver gets only the changes of what it keeps, from the rank that holds those rows,
+and no rank gathers anything. Where a bucket's records would not fit it (nearly every
+element of many small pieces changed), every rank learns it from that all-reduce before a
+byte moves and the update goes full.
+
+Destinations must be written in place: fixed placements (``set_shard_destinations`` with
+a mapping, whose regions are views) and, for tensors a layout does not name,
+``set_destinations``. A region that is not contiguous is staged (copied out, patched,
+copied back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightbus.engines import sharded
+from weightbus.engines.delta.encoding import _MASK
+from weightbus.engines.delta.protocol import Engine, _agree
+from weightbus.engines.delta.receiver import _apply, _Drift, _Targets, digests
+from weightbus.engines.delta.sender import Block, Record, _read_digests, _records, part_elements
+from weightbus.engines.streams import Stream
+from weightbus.errors import PlanError, TransferFailed, WeightSyncError
+from weightbus.packing import buffers, native
+from weightbus.packing.buffers import CopyList
+from weightbus.packing.shards import ShardBucket, ShardPlan
+from weightbus.plan import TRAILER_BYTES, Manifest, TensorMeta
+
+_NEUTRAL = -1  # (a bucket size another rank says)
+
+
+class _Numbering:
+    """The pieces of one plan as tensors of their own, worked out once per plan: for each
+    bucket, the number of its first piece among its sender's pieces and among its
+    receiver's (a relayed rank: its root's), and per side a manifest of the pieces (flat,
+    wire dtype) that the record kernels read."""
+
+    def __init__(self, plan: ShardPlan, sender: int | None, receiver: int | None):
+        metas = plan.manifest.metas
+
+        def numbered(buckets: list[ShardBucket], sending: bool) -> tuple[dict[int, int], Manifest]:
+            first, pieces = {}, []
+            for b in buckets:  # (a sender's pieces of one region for two receivers: two buckets)
+                first[b.index] = len(pieces)
+                tail = f" (bucket {b.index})" if sending else ""
+                pieces += [TensorMeta(f"{metas[p.tensor].name}{p.box}{tail}", metas[p.tensor].dtype,
+                                      (p.box.numel,)) for p in b.pieces]
+            return first, Manifest(pieces)
+
+        none: tuple[dict[int, int], Manifest] = ({}, Manifest([]))
+        mine = plan.sent_by(sender) if sender is not None else []
+        #: a sender's bucket -> the first of its buckets with the same pieces (replicas of
+        #: one layout, fed direct, get the same buckets: diffed, and snapshotted, once)
+        self.canon: dict[int, int] = {}
+        seen: dict[tuple, int] = {}
+        for b in mine:
+            self.canon[b.index] = seen.setdefault(b.pieces, b.index)
+        self.distinct = [b for b in mine if self.canon[b.index] == b.index]
+        self.sent_first, self.sent = numbered(self.distinct, True) if sender is not None else none
+        self.got_first, self.got = numbered(plan.received_by(receiver), False) if receiver is not None \
+            else none
+
+
+def _numbering(engine: Any, plan: ShardPlan) -> _Numbering:
+    key = ("delta numbering",)
+    got = engine._shard_copies.get(key)  # (cleared with the plan: sharded.plan_of)
+    if got is None:
+        sender = engine.rank_in_senders if engine.role == "trainer" else None
+        receiver = engine.rank - engine.n_senders if engine.role == "rollout" else None
+        got = engine._shard_copies[key] = _Numbering(plan, sender, receiver)
+    return got
+
+
+def _key(engine: Any, manifest: Manifest) -> int:
+    """What a snapshot or a receiver's pieces were made under: the manifest, the layouts,
+    the buckets (the same plan on every rank)."""
+    return hash((manifest.fingerprint, engine.bucket_size, engine.n_senders,
+                 tuple(fp for fp, _ in engine._layout_seen))) & _MASK
+
+
+def _plan(engine: Any, manifest: Manifest, version: int, error: str | None
+          ) -> tuple[ShardPlan | None, str | None]:
+    try:
+        return sharded.plan_of(engine, manifest), error
+    except PlanError as e:  # every rank computes the same plan: every rank fails here alike
+        return None, error or f"{engine.where()}: sharded plan of version {version}: {e}"
+
+
+def _agree_sizes(engine: Engine, plan: ShardPlan, mine: dict[int, int], failed: bool
+                 ) -> tuple[list[ShardBucket], bool]:
+    """Every bucket at the size of its records (each sender says its own), and whether the
+    update goes full instead (a sender failed, or a bucket's records did not fit it)."""
+    sizes = torch.full((len(plan.buckets) + 1,), _NEUTRAL, dtype=torch.int64)
+    for index, used in mine.items():
+        sizes[index] = used
+    sizes[-1] = int(failed)
+    engine._reduce_max(sizes, "delta: agreeing on the sharded buckets")
+    said = sizes.tolist()
+    if said[-1] > 0:
+        return list(plan.buckets), True
+    return [_resized(b, said[b.index]) for b in plan.buckets], False
+
+
+def _resized(b: ShardBucket, used: int) -> ShardBucket:
+    return ShardBucket(b.index, b.owner, b.receiver, b.pieces, used, b.turn, b.seq)
+
+
+# ------------------------------------------------------------------ sender
+
+def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
+         error: str | None) -> tuple[str | None, int, int]:
+    """The trainer side of one update of a sharded group in delta mode (after the header
+    and the layouts); returns (error, bytes moved, buckets), as ``BucketEngine._transfer``."""
+    snaps = engine._snapshots
+    plan, error = _plan(engine, manifest, version, error)
+    key = _key(engine, manifest)
+    held_version = snaps.version if snaps.fingerprint == key else None
+    full = engine.last_full = not _agree(engine, held_version, None)
+    snaps.version = None  # until this update completes
+    if plan is None:
+        return error, 0, 0
+    numbers = _numbering(engine, plan)
+    mine = plan.sent_by(engine.rank_in_senders)
+    held, error = sharded.held_by(engine, plan, stream, error)
+    capacity = engine.bucket_size - TRAILER_BYTES
+    made: dict[int, list[Record | Block]] = {}
+    if not full:
+        failed = error is not None
+        if not failed:
+            try:
+                with torch.no_grad():
+                    made = _diff(engine, plan, numbers, mine, held, snaps, capacity)
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{engine.where()}: taking the delta of the weights: {e}"
+                failed = True
+        sizes = {b.index: 8 + sum(it.size for it in made.get(numbers.canon[b.index], ())) for b in mine}
+        failed = failed or any(used > capacity for used in sizes.values())
+        resized, full = _agree_sizes(engine, plan, sizes, failed)
+        engine.last_full = full
+    if full:
+        if snaps.fingerprint != key:
+            snaps.pieces.clear()  # (another plan's pieces)
+        keep = _Keep(engine, plan, numbers, snaps, capacity, held) if error is None else None
+        error, wire, n = sharded.send(engine, manifest, stream if error is None else None, version, error,
+                                      packed=keep, held=held)
+        engine._delta_pending = (version, key)
+        return error, wire, n
+    wire = 0
+    down: str | None = None
+    by_index = {b.index: b for b in resized}
+    for b0 in mine:
+        b = by_index[b0.index]
+        try:
+            slot = engine._acquire(b)
+        except TransferFailed as e:
+            down = down or str(e)
+            continue
+        if error is None:
+            try:
+                canon = numbers.canon[b.index]
+                _fill(slot, made.get(canon, []), numbers.sent_first[canon] - _first_of(plan, b))
+            except Exception as e:  # noqa: BLE001
+                error = f"{engine.where()}: filling delta bucket {b.index}: {e}"
+        down = down or engine._ship(b, slot, version, error)
+        wire += b.wire_bytes
+    try:
+        engine._flush_send(plan)
+    except TransferFailed as e:
+        down = down or str(e)
+    engine._delta_pending = (version, key)
+    return error or down, wire, len(mine)
+
+
+def _first_of(plan: ShardPlan, b: ShardBucket) -> int:
+    """The number of ``b``'s first piece among its receiver's pieces."""
+    firsts = getattr(plan, "_delta_got_first", None)
+    if firsts is None:
+        firsts = {}
+        for r in {x.receiver for x in plan.buckets}:
+            n = 0
+            for x in plan.received_by(r):
+                firsts[x.index] = n
+                n += len(x.pieces)
+        plan._delta_got_first = firsts  # type: ignore[attr-defined]
+    return firsts[b.index]
+
+
+def _sources(engine: Any, plan: ShardPlan, mine: list[ShardBucket], held: Any
+             ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(piece number among this sender's, 0, the piece's view of its source) of every piece
+    this sender sends, bucket by bucket (cut once per plan, as the dense pack is)."""
+    numbers = _numbering(engine, plan)
+    for b in mine:
+        first = numbers.sent_first[b.index]
+        for j, view in enumerate(_cuts(engine, plan, b).sources(held)):
+            yield first + j, 0, view
+
+
+def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBucket], held: Any,
+          snaps: Any, capacity: int) -> dict[int, list[Record | Block]]:
+    """The records of every piece this sender sends, by bucket (index -> records)."""
+    bucket_of = torch.empty(len(numbers.sent), dtype=torch.int64)
+    for b in numbers.distinct:
+        first = numbers.sent_first[b.index]
+        bucket_of[first:first + len(b.pieces)] = b.index
+    out: dict[int, list[Record | Block]] = {}
+    items = _read_digests(list(_records(_sources(engine, plan, numbers.distinct, held), numbers.sent, snaps,
+                                        False, capacity - 8)))
+    for it in items:
+        if isinstance(it, Record):
+            out.setdefault(int(bucket_of[it.head[0]]), []).append(it)
+            continue
+        where = bucket_of[it.heads[:, 0]]
+        cuts = (where[1:] != where[:-1]).nonzero().squeeze(1).add(1).tolist()
+        at = body = 0
+        for end in [*cuts, len(where)]:  # (a kernel call's block may span buckets: split it)
+            taken = sum(it.sizes[at:end])
+            out.setdefault(int(where[at]), []).append(
+                Block(it.heads[at:end], it.sizes[at:end], it.body[body:body + taken]))
+            at, body = end, body + taken
+    return out
+
+
+def _fill(slot: torch.Tensor, items: list[Record | Block], shift: int) -> None:
+    """A bucket of records whose tensors are numbered among the sender's pieces, written
+    with the receiver's numbers (``shift`` apart: a bucket's pieces are consecutive in both)."""
+    from weightbus.engines.delta.sender import _fill as fill
+    if shift:
+        items = [_shifted(it, shift) for it in items]
+    fill(slot, items)
+
+
+def _shifted(it: Record | Block, shift: int) -> Record | Block:
+    if isinstance(it, Record):
+        return Record([it.head[0] - shift, *it.head[1:]], it.digest, it.body)
+    heads = it.heads.clone()
+    heads[:, 0] -= shift
+    return Block(heads, it.sizes, it.body)
+
+
+class _Keep:
+    """A full update's ``packed`` hook: the snapshot of every piece of a packed bucket, on
+    its source's device, in the parts the next delta diffs (``part_elements``)."""
+
+    def __init__(self, engine: Any, plan: ShardPlan, numbers: _Numbering, snaps: Any, capacity: int,
+                 held: Any):
+        self.engine, self.plan, self.numbers, self.snaps = engine, plan, numbers, snaps
+        self.capacity, self.held = capacity - 8, held
+        self.metas = plan.manifest.metas
+
+    def __call__(self, b: ShardBucket, slot: torch.Tensor) -> None:
+        if self.numbers.canon[b.index] != b.index:  # (the same pieces as a bucket kept already)
+            return
+        first = self.numbers.sent_first[b.index]
+        pieces = self.snaps.pieces
+        for j, (p, source) in enumerate(zip(b.pieces, _cuts(self.engine, self.plan, b).sources(self.held),
+                                            strict=True)):
+            m = self.metas[p.tensor]
+            flat = slot[p.offset:p.offset + p.nbytes].view(m.dtype)
+            most = part_elements(m.itemsize, self.capacity, source.is_cpu)
+            for lo in range(0, flat.numel(), most):
+                part = flat[lo:lo + most]
+                snap = pieces.get((first + j, lo))
+                if snap is None or snap.numel() != part.numel() or snap.device != source.device:
+                    snap = pieces[(first + j, lo)] = torch.empty(part.numel(), dtype=m.dtype,
+                                                                 device=source.device)
+                snap.copy_(part)
+
+
+def _cuts(engine: Any, plan: ShardPlan, b: ShardBucket) -> sharded._Pack:
+    """How bucket ``b``'s pieces are cut from their sources (made once per plan)."""
+    key = ("delta cuts", b.index)
+    cuts = engine._shard_copies.get(key)
+    if cuts is None:
+        cuts = engine._shard_copies[key] = sharded._Pack(None, b, plan)
+    return cuts
+
+
+# ------------------------------------------------------------------ receiver
+
+class _Pieces:
+    """A receiver's pieces as flat targets (made once per plan and destinations): each the
+    view of its destination region, or a staging copy where the region is not contiguous
+    (copied in before an update is applied, and back after)."""
+
+    def __init__(self, engine: Any, plan: ShardPlan, numbers: _Numbering, r: int):
+        dests, whole = engine._shard_dests, engine._dest or {}
+        region = getattr(dests, "region", None)
+        layout = engine._layouts[r]
+        placed = layout.boxes if layout is not None else {}
+        metas = plan.manifest.metas
+        self.flat: list[torch.Tensor] = []
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (region view, its flat copy)
+        for b in plan.received_by(r):
+            for p in b.pieces:
+                m = metas[p.tensor]
+                if m.name in placed:
+                    if region is None:
+                        raise PlanError(f"delta mode writes each change in place: the destinations of "
+                                        f"{m.name!r} must be views (fixed placements)")
+                    view = region(m.name, p.box)
+                elif m.name in whole:
+                    view = p.box.of(whole[m.name])
+                else:
+                    raise PlanError(f"delta mode writes each change in place, but {m.describe()} (which this "
+                                    f"rank's layout does not name) has no destination: set_destinations()")
+                if view.dtype != m.dtype or tuple(view.shape) != p.box.size:
+                    raise PlanError(f"the destination of {m.name!r}{p.box} is {view.dtype}"
+                                    f"{list(view.shape)}, not the update's {m.dtype}{list(p.box.size)}")
+                if view.is_contiguous():
+                    self.flat.append(view.view(-1))
+                else:
+                    copy = view.contiguous().view(-1)
+                    self.staged.append((view, copy))
+                    self.flat.append(copy)
+        self.targets = _Targets(self.flat)
+
+    def stage_in(self) -> None:
+        for view, copy in self.staged:
+            copy.view(view.shape).copy_(view)
+
+    def stage_out(self) -> None:
+        for view, copy in self.staged:
+            view.copy_(copy.view(view.shape))
+
+
+def _pieces(engine: Any, plan: ShardPlan, numbers: _Numbering, r: int) -> _Pieces:
+    """The receiver's targets, made again where a destination moved (its memory, under the
+    same tensor object: ``param.data = ...``, ``set_``) or was set anew."""
+    key = ("delta pieces",)
+    dests, whole = engine._shard_dests, engine._dest or {}
+    now = (dests.addresses() if callable(getattr(dests, "addresses", None)) else None,
+           native.data_ptrs(list(whole.values())))
+    got = engine._shard_copies.get(key)
+    if got is not None and got[1] is engine._dest and got[2] is dests and got[3][0] == now[0] \
+            and np.array_equal(got[3][1], now[1]):
+        return got[0]
+    pieces = _Pieces(engine, plan, numbers, r)
+    engine._shard_copies[key] = (pieces, engine._dest, dests, now)
+    return pieces
+
+
+def receive(engine: Any, start: float, version: int, manifest: Manifest, error: str | None,
+            on_complete: Any, batched: bool) -> Iterator[Any]:
+    """The rollout side of one update of a sharded group in delta mode: every piece written
+    in place (nothing is yielded: every tensor this rank keeps is where it lands)."""
+    chain = engine._chain
+    plan, error = _plan(engine, manifest, version, error)
+    key = _key(engine, manifest)
+    held = chain.version if engine.version == chain.version and chain.plan == key else None
+    full = engine.last_full = not _agree(engine, held, chain.digest)
+    chain.version = None
+    if plan is None:
+        engine._end_receive(start, version, manifest, error, False, on_complete, 0, 0)
+        return
+    r = engine.rank - engine.n_senders
+    numbers = _numbering(engine, plan)
+    pieces = None
+    if error is None:
+        try:
+            pieces = _pieces(engine, plan, numbers, r)
+        except PlanError as e:
+            error = f"{engine.where()}: {e}"
+    mine = plan.received_by(r)
+    if not full:
+        resized, full = _agree_sizes(engine, plan, {}, False)
+        engine.last_full = full
+        if not full:
+            by_index = {b.index: b for b in resized}
+            mine = [by_index[b.index] for b in mine]
+    verify = engine.verify_every > 0
+    moved = torch.zeros(len(numbers.got), dtype=torch.int64) if verify and not full else None
+    write = pieces is not None and error is None
+    if write and not full:
+        pieces.stage_in()
+    src, children, hop = plan.relay_from[r], plan.relay_to[r], plan.depth_of(r)
+    wire = forwarded = applied = 0
+    nb = engine.num_buffers
+    try:
+        for b in mine[:nb]:
+            engine._post_recv(b, src=src, hop=hop)
+        for b in mine:
+            slot = engine._wait_recv(b)
+            for q in children:  # (before applying: the next hop starts at once)
+                engine._forward(b, slot, q, hop=hop + 1)
+            forwarded += 1
+            wire += b.wire_bytes
+            status, msg = buffers.check_trailer(slot, b, version, engine.where())
+            if status != buffers.STATUS_OK and error is None:
+                error = msg or f"{engine.where()}: sharded bucket {b.index} arrived with status {status}"
+            if error is None and write and not engine._refused:
+                engine.version = None  # from the first byte written on, the old version is gone
+                try:
+                    with torch.no_grad():
+                        if full:
+                            _copies(engine, slot, b, numbers, pieces).run(None)
+                        else:
+                            applied += _apply(slot, b.used, pieces.targets, numbers.got, False, moved)
+                except _Drift as e:
+                    error = f"{engine.where()}: {e}"
+                except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                    error = f"{engine.where()}: applying sharded bucket {b.index}: {e}"
+            if b.seq + nb < len(mine):
+                engine._post_recv(mine[b.seq + nb], src=src, hop=hop)
+        if children:
+            engine._flush_forward()
+    except TransferFailed as e:
+        error = error or str(e)
+        if children:
+            sharded._abort_children(engine, mine[forwarded:], children, hop + 1, version, error)
+    except WeightSyncError as e:
+        if children:
+            sharded._abort_children(engine, mine[forwarded:], children, hop + 1, version, str(e))
+        raise
+    if write and error is None:
+        pieces.stage_out()
+        if verify:
+            error = _verify(engine, chain, pieces, numbers, version, moved)
+    if error is not None or not verify:
+        chain.sums = None
+    if error is None:
+        chain.digest = ((version * 7919 + 1) if full else (chain.digest * 1000003 + version)) & _MASK
+        chain.plan = key
+        engine._delta_pending = (version, full)
+    engine._sharded_got = (plan.bytes_for(r), plan.fallbacks[r])
+    try:
+        engine._end_receive(start, version, manifest, error, False, on_complete, wire, len(mine))
+    finally:
+        engine._sharded_got = None
+    return
+    yield  # (a generator: the consumer sees no tensor, every one is in place)
+
+
+def _copies(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering, pieces: _Pieces
+            ) -> CopyList:
+    """A full update's bucket: each piece copied to its target (views made once per plan,
+    slot and destinations)."""
+    key = ("delta copies", b.index, slot.data_ptr(), id(pieces))
+    got = engine._shard_copies.get(key)
+    if got is None:
+        metas, first = numbers.got.metas, numbers.got_first[b.index]
+        srcs = [slot[p.offset:p.offset + p.nbytes].view(metas[first + j].dtype)
+                for j, p in enumerate(b.pieces)]
+        got = engine._shard_copies[key] = CopyList(pieces.flat[first:first + len(b.pieces)], srcs)
+    return got
+
+
+def _verify(engine: Any, chain: Any, pieces: _Pieces, numbers: _Numbering, version: int,
+            moved: torch.Tensor | None) -> str | None:
+    """As :func:`.receiver._verify`, over this rank's pieces."""
+    from weightbus.engines.delta.receiver import _verify as verify
+    return verify(engine, chain, pieces.targets, numbers.got, version, moved)
+
+
+__all__ = ["digests", "receive", "send"]
