@@ -62,6 +62,13 @@ def _bench_rows(path: Path, data: list[dict]) -> list[list[str]]:
         if r.get("relayed_s"):
             rows.append((f"{what}: sharded, relay={r['relay']}, {r['replicas']} replica(s)", r["relayed_s"],
                          r.get("relayed_floor_s") or r["floor_s"]))
+        if r.get("delta_s"):  # (delta rows: the dense rows' floors; the command names the fraction)
+            cmd += f" --delta {r['delta_fraction']}"
+            rows.append((f"{what}: delta, {r['delta_fraction']:.0%} changed", r["delta_s"], r["floor_s"]))
+        if r.get("sharded_delta_s"):
+            rows.append((f"{what}: sharded delta, {r['delta_fraction']:.0%} changed "
+                         f"({r['sharded_delta_vs_sharded']:.2f}x the sharded row)", r["sharded_delta_s"],
+                         r.get("sharded_floor_s") or r["floor_s"]))
         out += [[w, f"{t * 1e3:.1f} ms", f"{f * 1e3:.1f} ms", f"{t / f:.2f}x", dev, f"`{cmd}`"]
                 for w, t, f in rows]
     return out

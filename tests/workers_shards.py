@@ -186,9 +186,10 @@ def run(rank: int, T: int, R: int, port: int, steps: int, bucket: int, move: boo
     return out
 
 
-def drifting(step: int, fraction: float) -> dict[str, torch.Tensor]:
+def drifting(step: int, fraction: float, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The trainer's weights at ``step`` when each step changes ``fraction`` of the elements
-    of every tensor (at least one; bf16, as a wire carries them): what delta updates carry."""
+    of every tensor (at least one; bf16, as a wire carries them, or cast to ``dtype``, an fp8
+    serving precision): what delta updates carry."""
     w = {n: t.to(torch.bfloat16) for n, t in weights(0).items()}
     for s in range(1, step + 1):
         g = torch.Generator().manual_seed(7000 + s)
@@ -197,12 +198,18 @@ def drifting(step: int, fraction: float) -> dict[str, torch.Tensor]:
             k = max(1, round(flat.numel() * fraction))
             idx = torch.randperm(flat.numel(), generator=g)[:k]
             flat[idx] = torch.randn(k, generator=g).to(torch.bfloat16)
-    return w
+    return {n: t.to(dtype) for n, t in w.items()}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (fp8 tensors have no ``==`` on every build)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, replicas: int = 1,
               relay: int = 0, fsdp_port: int | None = None, fraction: float = 0.02,
-              flip: int | None = None, verify_every: int = 1) -> dict:
+              flip: int | None = None, verify_every: int = 1, dtype: str = "bfloat16") -> dict:
     """Delta mode on sharded receive: ``R`` TP ranks in each of ``replicas`` replicas keep
     their regions (the layouts of :func:`run`: uneven splits, fused qkv, experts, a
     replicated norm whose destination is a strided view) and the tensor their layout does
@@ -210,9 +217,11 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
     shards with ``fsdp_port``) change ``fraction`` of every tensor per step (bf16). Each
     rollout rank reports every update's outcome, its regions bitwise, and the stats.
     ``flip``: before that update, rollout rank 1 flips one bit of its up.weight shard (a
-    copy that drifted): that update must fail naming it, and the next one land whole."""
+    copy that drifted): that update must fail naming it, and the next one land whole.
+    ``dtype``: the weights in that precision end to end (``float8_e4m3fn``: fp8 serving)."""
     from weightbus.errors import WeightSyncError
     torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
     engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
@@ -220,11 +229,11 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
                                           verify_every=verify_every)
     r = (rank - T) % R
     if not trainer:
-        params = {n: t.to(torch.bfloat16) for n, t in rollout_params(r, R).items()}
-        store = torch.full((H, 2), float("nan"), dtype=torch.bfloat16)  # (a strided destination)
+        params = {n: t.to(dt) for n, t in rollout_params(r, R).items()}
+        store = torch.full((H, 2), float("nan")).to(dt)  # (a strided destination)
         params["norm.weight"] = store[:, 1]
         engine.set_shard_destinations(placements(params, r, R))
-        rotary = torch.full((5,), float("nan"), dtype=torch.bfloat16)
+        rotary = torch.full((5,), float("nan")).to(dt)
         engine.set_destinations({"rotary.inv_freq": rotary})
     connect(engine, rdv, T, R * replicas)
     out: dict = {"stats": [], "wrong": [], "errors": []}
@@ -234,10 +243,10 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
         from torch.distributed.tensor import Shard, distribute_tensor
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=T)
         mesh = init_device_mesh("cpu", (T,))
-        held = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in drifting(0, fraction).items()}
+        held = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in drifting(0, fraction, dt).items()}
         source = ModuleSource(held)
     for step in range(1, steps + 1):
-        w = drifting(step, fraction)
+        w = drifting(step, fraction, dt)
         try:
             if trainer and fsdp_port is not None:
                 for n, t in w.items():  # (an optimizer step, in place)
@@ -247,7 +256,7 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
                 stats = asyncio.run(engine.send_weights(ModuleSource(w), version=step))
             else:
                 if flip == step and r == 1:
-                    params["up.weight"].view(-1)[:1].view(torch.int16).bitwise_xor_(1)
+                    params["up.weight"].view(-1)[:1].view(torch.uint8).bitwise_xor_(1)
 
                 async def take():
                     return [n async for n, _ in engine.receive_weights()]
@@ -258,9 +267,9 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
             out["errors"].append(str(e))
             stats = None
         if not trainer and stats is not None:
-            want = {n: t.to(torch.bfloat16) for n, t in _expected_from(w, r, R).items()}
-            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not torch.equal(t, want[n])]
-            if not torch.equal(rotary, w["rotary.inv_freq"]):
+            want = _expected_from(w, r, R)
+            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not _bits_equal(t, want[n])]
+            if not _bits_equal(rotary, w["rotary.inv_freq"]):
                 out["wrong"].append(f"{step}:rotary.inv_freq")
         out["stats"].append(stats.to_dict() if stats is not None else None)
     engine.finalize(destroy_group=True)
@@ -272,8 +281,8 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
 def _expected_from(w: dict[str, torch.Tensor], r: int, R: int) -> dict[str, torch.Tensor]:
     want = {n: chunk_box(SHAPES[n], d, r, R).of(w[n]) for n, d in SPLIT.items()}
     want["norm.weight"] = w["norm.weight"]
-    want["qkv.weight"] = torch.cat([chunk_box(SHAPES[n], 0, r, R).of(w[n]) for n in ("q.weight", "k.weight",
-                                                                                      "v.weight")])
+    want["qkv.weight"] = torch.cat([chunk_box(SHAPES[n], 0, r, R).of(w[n]).view(torch.uint8)  # (any dtype)
+                                    for n in ("q.weight", "k.weight", "v.weight")]).view(w["q.weight"].dtype)
     if r == 0:
         want["only_rank0.weight"] = w["only_rank0.weight"]
     return want
