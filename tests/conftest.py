@@ -27,8 +27,8 @@ def pytest_configure(config):
 #: the modules that take longest, run first: each worker takes a whole module at a time
 #: (--dist loadfile), and a long one drawn last keeps one worker busy after the others end
 _FIRST = ("test_manager.py", "test_faults.py", "test_engines.py", "test_manager_ray.py",
-          "test_faults_colocated.py", "test_delta.py", "test_simulate.py", "test_first_hour.py",
-          "test_readme.py", "test_sglang_sink.py")
+          "test_faults_colocated.py", "test_delta.py", "test_simulate.py", "test_sharded.py",
+          "test_first_hour.py", "test_readme.py", "test_sglang_sink.py", "test_soak.py")
 
 
 def pytest_collection_modifyitems(items):

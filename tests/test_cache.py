@@ -16,9 +16,11 @@ from workers import Mixed
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource, WeightbusError
 
 
-def _shm_caches() -> set[str]:
+def _shm_caches(port: int) -> set[str]:
+    """The shm caches of a test (their names carry its port: other tests' caches, coming
+    and going beside it, are not compared)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("wbcache_")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith("wbcache_") and n.endswith(str(port))}
     except FileNotFoundError:
         return set()
 
@@ -27,13 +29,12 @@ def _where(backend: str, tmp_path, port: int) -> str:
     return str(tmp_path / "cache") if backend == "disk" else f"test{port}"
 
 
-@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 @pytest.mark.parametrize("backend", ["shm", "disk"])
 def test_readers_at_their_own_pace_get_whole_versions(backend, tmp_path, port):
     """10 versions published while 3 replicas pull at different paces: every pull is one
     complete version equal to what was published; the slow one skips versions; the
     publisher never waits for them."""
-    before = _shm_caches()
+    before = _shm_caches(port)
     where = _where(backend, tmp_path, port)
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
@@ -65,15 +66,15 @@ def test_readers_at_their_own_pace_get_whole_versions(backend, tmp_path, port):
     assert max(blocked) < 5  # publishing never waited for a reader
     assert all(p.exitcode == 0 for p in procs)
     if backend == "shm":
-        assert _shm_caches() == before  # the owner removed its cache
+        assert _shm_caches(port) == before  # the owner removed its cache
 
 
-@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
+@pytest.mark.serial  # (any owner on the host sweeps a dead one's cache: none may start meanwhile)
 @pytest.mark.parametrize("backend", ["shm", "disk"])
 def test_publisher_dies_mid_publish(backend, tmp_path, port):
     """The previous version stays readable and the partial one invisible; the next owner
     removes the dead one's leftovers; nothing stays in /dev/shm."""
-    before = _shm_caches()
+    before = _shm_caches(port)
     where = _where(backend, tmp_path, port)
     ctx = mp.get_context("spawn")
     out, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
@@ -98,7 +99,7 @@ def test_publisher_dies_mid_publish(backend, tmp_path, port):
     assert reader.get_weights(newer_than=1).version == 3
     owner.finalize(destroy_group=True)
     if backend == "shm":
-        assert _shm_caches() == before
+        assert _shm_caches(port) == before
 
 
 def test_reader_during_a_write_gets_the_previous_version(tmp_path, port):
@@ -124,11 +125,10 @@ def test_reader_during_a_write_gets_the_previous_version(tmp_path, port):
     assert workers_cache.digests(model) == second
 
 
-@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
 def test_killed_reader_does_not_hold_reclaiming(port):
     """A reader SIGKILLed while it holds a version: publishing goes on, old versions leave
     the directory (at most ``keep``), and its memory goes back when it dies."""
-    before = _shm_caches()
+    before = _shm_caches(port)
     name = f"test{port}"
     owner = workers_cache.cache("trainer", "shm", name)
     model = Mixed()
@@ -149,13 +149,13 @@ def test_killed_reader_does_not_hold_reclaiming(port):
     files = [n for n in os.listdir(owner.root) if n.endswith(".safetensors")]
     assert sorted(files) == ["v00000000000000000003.safetensors", "v00000000000000000004.safetensors"]
     owner.finalize(destroy_group=True)
-    assert _shm_caches() == before
+    assert _shm_caches(port) == before
 
 
-@pytest.mark.serial  # (compares every cache in /dev/shm before and after)
+@pytest.mark.serial  # (any owner on the host sweeps a dead one's cache: none may start meanwhile)
 def test_dead_owner_cache_is_swept(port):
     """A cache whose owner was killed is removed by the next owner on the host."""
-    before = _shm_caches()
+    before = _shm_caches(port)
     ctx = mp.get_context("spawn")
     out, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
     p = ctx.Process(target=workers_cache.interrupted_publisher,
@@ -164,12 +164,12 @@ def test_dead_owner_cache_is_swept(port):
     out.get(timeout=60)
     go.set()
     p.join(60)
-    assert f"wbcache_dead{port}" in _shm_caches()
+    assert f"wbcache_dead{port}" in _shm_caches(port)
     owner = workers_cache.cache("trainer", "shm", f"alive{port}")
     asyncio.run(owner.send_weights(ModuleSource(Mixed()), version=1))
-    assert f"wbcache_dead{port}" not in _shm_caches()
+    assert f"wbcache_dead{port}" not in _shm_caches(port)
     owner.finalize(destroy_group=True)
-    assert _shm_caches() == before
+    assert _shm_caches(port) == before
 
 
 def test_relay_fills_a_host_cache_from_any_engine(port, tmp_path):

@@ -77,13 +77,13 @@ def test_peer_lost_in_a_sharded_update(port, who, phase):
                                         "final-status": PHASE_WORDS["final-status"]}[phase])
 
 
-@pytest.mark.parametrize("phase", ["mid-update", "final-status"])
 @pytest.mark.parametrize("who", ["trainer", "rollout"])
-def test_peer_lost_in_a_delta_update_of_a_sharded_group(port, who, phase):
+def test_peer_lost_in_a_delta_update_of_a_sharded_group(port, who, phase="mid-update"):
     """Delta mode on sharded receive (gloo: each rollout patches its own rows): after one
-    good (full) update the trainer or rollout 2 is SIGKILLed at ``phase`` of a delta
-    update; every survivor raises within the deadline naming the phase, and claims no
-    version it does not hold."""
+    good (full) update the trainer (while it diffs) or rollout 2 (after its first patch) is
+    SIGKILLed mid-update; every survivor raises within the deadline naming where, and
+    claims no version it does not hold. (The header and the final status are the sharded
+    and delta paths' own, lost there in the tests above.)"""
     results, _ = lose_one(port, "gloo", 0 if who == "trainer" else 2, phase, "kill", delta=True, sharded=True)
     # (a trainer lost while it diffs: the others at the agreement on the buckets' sizes; a
     # rollout lost after its first patch: the trainer at a bucket it sends it, or at the

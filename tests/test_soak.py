@@ -21,8 +21,6 @@ from rl_workers import Rollout, Trainer  # noqa: E402
 from weightbus.manager import CheckpointEngineManager  # noqa: E402
 from weightbus.runtime.group import LocalWorkerGroup, call  # noqa: E402
 
-pytestmark = pytest.mark.serial  # (counts every weightbus entry of /dev/shm at start and end)
-
 UPDATES = int(os.environ.get("WEIGHTBUS_SOAK_UPDATES", "24"))
 #: every this many updates a replica joins, and the oldest leaves (its processes end)
 CHURN = 6
@@ -40,9 +38,12 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _shm() -> int:
+def _shm(pids: set[int]) -> int:
+    """weightbus's segments in /dev/shm made by these processes (a segment's name carries its
+    maker's pid: other tests' segments, coming and going beside this one, are not counted)."""
     try:
-        return sum(1 for n in os.listdir("/dev/shm") if n.startswith("wbus_"))
+        return sum(1 for n in os.listdir("/dev/shm") if n.startswith("wbus_") and n.split("_")[1].isdigit()
+                   and int(n.split("_")[1]) in pids)
     except FileNotFoundError:
         return 0
 
@@ -71,7 +72,8 @@ def test_soak(backend):
     mgr = CheckpointEngineManager(backend, trainer, [stay, *churn], timeout=30, bucket_size=1 << 16)
     made = 1
     verified = rebuilt = 0
-    shm_before = _shm()
+    pids = {os.getpid(), *(p for g in (trainer, stay, *churn) for p in g.pids())}
+    shm_before = _shm(pids)
     try:
         for v in range(1, UPDATES + 1):
             call(trainer, "train_step", v, timeout=30)
@@ -83,18 +85,19 @@ def test_soak(backend):
                 verified += rep.size
             assert set(mgr.versions().values()) == {v}
             if v == 2:  # warmed up: the baseline every later reading is compared with
-                start, shm_start = _usage([trainer, stay]), _shm()
+                start, shm_start = _usage([trainer, stay]), _shm(pids)
                 stay_links = call(stay, "wb_links", timeout=30)
                 stay_conns = call(stay, "wb_connections", timeout=30)
             if v % CHURN == 0 and v < UPDATES:
                 new = LocalWorkerGroup(Rollout, 1, name=f"churn{made}")
+                pids.update(new.pids())
                 made += 1
                 mgr.add_replicas([new])
                 old = churn.pop(0)
                 mgr.remove_replicas([old])
                 old.shutdown(timeout=5)
                 churn.append(new)
-        end, shm_end = _usage([trainer, stay]), _shm()
+        end, shm_end = _usage([trainer, stay]), _shm(pids)
         if backend in MOONCAKE + NIXL:  # elastic: the churn never touched the staying replica's links
             assert call(stay, "wb_links", timeout=30) == stay_links and rebuilt == 1, (stay_links, rebuilt)
         if backend in NIXL:  # chain trainer -> stay 0 -> stay 1 -> churn: stay 0 is no churner's neighbour
