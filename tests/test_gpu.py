@@ -279,6 +279,20 @@ def test_delta_nccl_two_gpus_bitwise(port):
     _check_delta(port, "nccl")
 
 
+@needs_gpu
+def test_delta_on_sharded_receive_cuda_tensors_bitwise(port):
+    """Delta mode on sharded receive with every rank's tensors on the GPU (gloo between
+    them): the sender's pieces diffed by the Triton kernels against snapshots on the GPU,
+    the two TP ranks' patches applied there (a strided region staged); a full update, then
+    deltas at 2 %, bitwise on both ranks after each."""
+    import workers_shards as ws
+    out = spawn(ws.run_delta, 3, (1, 2, port, 4, 1 << 16, 1, 0, None, 0.02, None, 1, "bfloat16", "cuda"),
+                timeout=300)
+    for got in out[1:]:
+        assert got["errors"] == [None] * 4 and got["wrong"] == [], (got["errors"], got["wrong"])
+        assert [s["delta"] for s in got["stats"]] == [False, True, True, True]
+
+
 @pytest.mark.parametrize("relay", [0, 1, 2])
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 def test_sharded_nccl_to_three_replicas_direct_chain_and_tree(port, relay):

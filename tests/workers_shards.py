@@ -209,7 +209,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, replicas: int = 1,
               relay: int = 0, fsdp_port: int | None = None, fraction: float = 0.02,
-              flip: int | None = None, verify_every: int = 1, dtype: str = "bfloat16") -> dict:
+              flip: int | None = None, verify_every: int = 1, dtype: str = "bfloat16",
+              device: str = "cpu") -> dict:
     """Delta mode on sharded receive: ``R`` TP ranks in each of ``replicas`` replicas keep
     their regions (the layouts of :func:`run`: uneven splits, fused qkv, experts, a
     replicated norm whose destination is a strided view) and the tensor their layout does
@@ -218,10 +219,13 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
     rollout rank reports every update's outcome, its regions bitwise, and the stats.
     ``flip``: before that update, rollout rank 1 flips one bit of its up.weight shard (a
     copy that drifted): that update must fail naming it, and the next one land whole.
-    ``dtype``: the weights in that precision end to end (``float8_e4m3fn``: fp8 serving)."""
+    ``dtype``: the weights in that precision end to end (``float8_e4m3fn``: fp8 serving).
+    ``device`` "cuda": every rank's tensors on GPU 0 (gloo moves host buckets; the diff and
+    the patches run as the GPU kernels)."""
     from weightbus.errors import WeightSyncError
     torch.set_num_threads(1)
     dt = getattr(torch, dtype)
+    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
     engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
@@ -229,11 +233,11 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
                                           verify_every=verify_every)
     r = (rank - T) % R
     if not trainer:
-        params = {n: t.to(dt) for n, t in rollout_params(r, R).items()}
-        store = torch.full((H, 2), float("nan")).to(dt)  # (a strided destination)
+        params = {n: t.to(dt).to(dev) for n, t in rollout_params(r, R).items()}
+        store = torch.full((H, 2), float("nan")).to(dt).to(dev)  # (a strided destination)
         params["norm.weight"] = store[:, 1]
         engine.set_shard_destinations(placements(params, r, R))
-        rotary = torch.full((5,), float("nan")).to(dt)
+        rotary = torch.full((5,), float("nan")).to(dt).to(dev)
         engine.set_destinations({"rotary.inv_freq": rotary})
     connect(engine, rdv, T, R * replicas)
     out: dict = {"stats": [], "wrong": [], "errors": []}
@@ -253,7 +257,8 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
                     held[n].to_local().copy_(distribute_tensor(t, mesh, [Shard(0)]).to_local())
                 stats = asyncio.run(engine.send_weights(source, version=step))
             elif trainer:
-                stats = asyncio.run(engine.send_weights(ModuleSource(w), version=step))
+                stats = asyncio.run(engine.send_weights(ModuleSource({n: t.to(dev) for n, t in w.items()}),
+                                                        version=step))
             else:
                 if flip == step and r == 1:
                     params["up.weight"].view(-1)[:1].view(torch.uint8).bitwise_xor_(1)
@@ -268,8 +273,8 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
             stats = None
         if not trainer and stats is not None:
             want = _expected_from(w, r, R)
-            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not _bits_equal(t, want[n])]
-            if not _bits_equal(rotary, w["rotary.inv_freq"]):
+            out["wrong"] += [f"{step}:{n}" for n, t in params.items() if not _bits_equal(t.cpu(), want[n])]
+            if not _bits_equal(rotary.cpu(), w["rotary.inv_freq"]):
                 out["wrong"].append(f"{step}:rotary.inv_freq")
         out["stats"].append(stats.to_dict() if stats is not None else None)
     engine.finalize(destroy_group=True)
