@@ -11,6 +11,7 @@ buffers, plan, sources, sinks, integrations) changed since that commit says so.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,10 @@ def _bench_rows(path: Path, data: list[dict]) -> list[list[str]]:
         if not r.get("weightbus_s"):
             continue
         scenario = "disaggregated" if r["scenario"].startswith("disagg ") else r["scenario"]
-        cmd = f"weightbus bench --scenario {scenario} --preset {r['preset'].split('/')[0]}"
+        stress = re.fullmatch(r"(\d+)x(\d+)B", r["preset"])  # (a stress preset: N tensors of B bytes)
+        what_ = f"--tensors {stress[1]} --tensor-bytes {stress[2]}" if stress else \
+            f"--preset {r['preset'].split('/')[0]}"
+        cmd = f"weightbus bench --scenario {scenario} {what_}"
         if "/" in r["preset"]:
             cmd += f" --layers {r['preset'].split('/')[1].rstrip('L')}"
         if r.get("trainer_dtype"):

@@ -272,6 +272,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
     in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()  # groups whose GPU diff runs
     metas, pieces_held = manifest.metas, snaps.pieces
+    parts: dict[tuple[int, bool], int] = {}  # (element size, host) -> elements of a part
     taken = 0  # bytes of this round's pieces
     for index, start, piece in pieces:
         if budget is not None and taken >= budget:  # (and a piece follows: a round ends)
@@ -287,7 +288,10 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
             cur = cur.contiguous()
         n, e = cur.numel(), meta.itemsize
         taken += n * e
-        most = part_elements(e, capacity, cur.is_cpu)
+        where = (e, cur.is_cpu)
+        most = parts.get(where)
+        if most is None:  # (once per element size and side: a call per piece shows at 20k pieces)
+            most = parts[where] = part_elements(e, capacity, cur.is_cpu)
         for lo in range(0, n, most):
             part, m = (cur, n) if n <= most else (cur[lo:lo + most], min(most, n - lo))
             key = (index, start + lo)
