@@ -283,10 +283,10 @@ def test_delta_nccl_two_gpus_bitwise(port):
 def test_delta_on_sharded_receive_cuda_tensors_bitwise(port):
     """Delta mode on sharded receive with every rank's tensors on the GPU (gloo between
     them): the sender's pieces diffed by the Triton kernels against snapshots on the GPU,
-    the two TP ranks' patches applied there (a strided region staged); a full update, then
-    deltas at 2 %, bitwise on both ranks after each."""
+    the two TP ranks' patches applied there (a strided region staged), in 4 rounds of small
+    buckets; a full update, then deltas at 2 %, bitwise on both ranks after each."""
     import workers_shards as ws
-    out = spawn(ws.run_delta, 3, (1, 2, port, 4, 1 << 16, 1, 0, None, 0.02, None, 1, "bfloat16", "cuda"),
+    out = spawn(ws.run_delta, 3, (1, 2, port, 4, 512, 1, 0, None, 0.02, None, 1, "bfloat16", "cuda", 4),
                 timeout=300)
     for got in out[1:]:
         assert got["errors"] == [None] * 4 and got["wrong"] == [], (got["errors"], got["wrong"])

@@ -210,7 +210,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, replicas: int = 1,
               relay: int = 0, fsdp_port: int | None = None, fraction: float = 0.02,
               flip: int | None = None, verify_every: int = 1, dtype: str = "bfloat16",
-              device: str = "cpu") -> dict:
+              device: str = "cpu", rounds: int | None = None) -> dict:
     """Delta mode on sharded receive: ``R`` TP ranks in each of ``replicas`` replicas keep
     their regions (the layouts of :func:`run`: uneven splits, fused qkv, experts, a
     replicated norm whose destination is a strided view) and the tensor their layout does
@@ -221,11 +221,14 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
     copy that drifted): that update must fail naming it, and the next one land whole.
     ``dtype``: the weights in that precision end to end (``float8_e4m3fn``: fp8 serving).
     ``device`` "cuda": every rank's tensors on GPU 0 (gloo moves host buckets; the diff and
-    the patches run as the GPU kernels)."""
+    the patches run as the GPU kernels). ``rounds``: a delta update in that many rounds."""
     from weightbus.errors import WeightSyncError
     torch.set_num_threads(1)
     dt = getattr(torch, dtype)
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    if rounds is not None:
+        import os
+        os.environ["WEIGHTBUS_DELTA_ROUNDS"] = str(rounds)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
     engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
@@ -560,3 +563,48 @@ class ToyTPRollout(WeightbusWorker):
 
     def received(self) -> int:
         return self._wb_engine.last_stats.bytes
+
+
+def delta_dense_bucket(rank: int, port: int) -> dict:
+    """Delta mode on sharded receive where a bucket's records would not fit it: one rollout
+    rank keeps 4 tensors of 256 bytes and one of 192 whole, a bucket of 1280 bytes holds all
+    five (1,216 of its 1,216 payload bytes), and an update that changes every element makes
+    dense records of 1,464 bytes. That bucket goes dense (the others of its round as
+    records), the next update, changing 2%, as records again; bitwise after each."""
+    from weightbus.engines.delta import shards as ds
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if rank == 0 else "rollout",
+                                          bucket_size=1280, timeout=30, delta=True)
+    shapes = {f"w{i}": (128,) for i in range(4)} | {"v": (96,)}
+    g = torch.Generator().manual_seed(5)
+    w = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    held = {n: torch.full(s, float("nan")).to(torch.bfloat16) for n, s in shapes.items()}
+    if rank:
+        engine.set_shard_destinations({n: [(Box.whole(s), held[n])] for n, s in shapes.items()})
+    connect(engine, rdv, 1, 1)
+    real, dense = ds._agree_sizes, []
+
+    def agree(*a, **k):  # (what the ranks agreed, recorded: not changed)
+        sized, went = real(*a, **k)
+        dense.append(len(went))
+        return sized, went
+    ds._agree_sizes = agree
+    out: dict = {"wrong": [], "delta": [], "dense": dense}
+    for step, fraction in enumerate([None, 1.0, 0.02], 1):
+        if fraction is not None:
+            for t in w.values():
+                k = max(1, round(t.numel() * fraction))
+                t[torch.randperm(t.numel(), generator=g)[:k]] += 1
+        if rank == 0:
+            stats = asyncio.run(engine.send_weights(ModuleSource(w), version=step))
+        else:
+            async def take():
+                return [n async for n, _ in engine.receive_weights()]
+            assert asyncio.run(take()) == []
+            stats = engine.last_stats
+            out["wrong"] += [f"{step}:{n}" for n in shapes if not torch.equal(held[n], w[n])]
+        rdv.all_gather(None)  # (the trainer's weights change only once both sides checked)
+        out["delta"].append(stats.delta)
+    engine.finalize(destroy_group=True)
+    return out

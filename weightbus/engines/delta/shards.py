@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightbus import config
 from weightbus.engines import sharded
 from weightbus.engines.delta.encoding import _MASK
 from weightbus.engines.delta.protocol import Engine, _agree
@@ -52,7 +53,8 @@ from weightbus.packing.buffers import CopyList
 from weightbus.packing.shards import ShardBucket, ShardPlan
 from weightbus.plan import TRAILER_BYTES, Manifest, TensorMeta
 
-_NEUTRAL = -1  # (a bucket size another rank says)
+_NEUTRAL = -2  # (a bucket size another rank says)
+_DENSE = -1  # (a bucket whose records would not fit it: sent dense, as in a full update)
 
 
 class _Numbering:
@@ -61,8 +63,17 @@ class _Numbering:
     receiver's (a relayed rank: its root's), and per side a manifest of the pieces (flat,
     wire dtype) that the record kernels read."""
 
-    def __init__(self, plan: ShardPlan, sender: int | None, receiver: int | None):
+    def __init__(self, plan: ShardPlan, sender: int | None, receiver: int | None, rounds: int):
         metas = plan.manifest.metas
+        #: the rounds a delta update goes in: by each bucket's position among its
+        #: receiver's (the same on every rank); each round's sizes are agreed, then its
+        #: buckets move and are patched while the senders diff the next
+        last = max((b.seq for b in plan.buckets), default=0) + 1
+        rounds = max(1, min(rounds, last))
+        self.round_of = {b.index: b.seq * rounds // last for b in plan.buckets}
+        self.rounds: list[list[ShardBucket]] = [[] for _ in range(rounds)]
+        for b in plan.buckets:
+            self.rounds[self.round_of[b.index]].append(b)
 
         def numbered(buckets: list[ShardBucket], sending: bool) -> tuple[dict[int, int], Manifest]:
             first, pieces = {}, []
@@ -75,12 +86,13 @@ class _Numbering:
 
         none: tuple[dict[int, int], Manifest] = ({}, Manifest([]))
         mine = plan.sent_by(sender) if sender is not None else []
-        #: a sender's bucket -> the first of its buckets with the same pieces (replicas of
-        #: one layout, fed direct, get the same buckets: diffed, and snapshotted, once)
+        #: a sender's bucket -> the first of its buckets of the same round with the same
+        #: pieces (replicas of one layout, fed direct, get the same buckets: diffed, and
+        #: snapshotted, once)
         self.canon: dict[int, int] = {}
         seen: dict[tuple, int] = {}
         for b in mine:
-            self.canon[b.index] = seen.setdefault(b.pieces, b.index)
+            self.canon[b.index] = seen.setdefault((self.round_of[b.index], b.pieces), b.index)
         self.distinct = [b for b in mine if self.canon[b.index] == b.index]
         self.sent_first, self.sent = numbered(self.distinct, True) if sender is not None else none
         self.got_first, self.got = numbered(plan.received_by(receiver), False) if receiver is not None \
@@ -93,7 +105,13 @@ def _numbering(engine: Any, plan: ShardPlan) -> _Numbering:
     if got is None:
         sender = engine.rank_in_senders if engine.role == "trainer" else None
         receiver = engine.rank - engine.n_senders if engine.role == "rollout" else None
-        got = engine._shard_copies[key] = _Numbering(plan, sender, receiver)
+        # rounds of a delta update (``WEIGHTBUS_DELTA_ROUNDS``): the ranks patch one while the
+        # senders diff the next. By default 4 where buckets are on a GPU, as broadcast delta;
+        # 1 on hosts, where the diff and the patches share the cores (this 2-core box, 0.6b/2L,
+        # TP=2 at 2%: 0.51-0.52x of the dense sharded update in one round, 0.63x in four)
+        rounds = config.env_integer("WEIGHTBUS_DELTA_ROUNDS", minimum=1, maximum=1024) \
+            or (4 if engine.device.type == "cuda" else 1)
+        got = engine._shard_copies[key] = _Numbering(plan, sender, receiver, rounds)
     return got
 
 
@@ -112,19 +130,20 @@ def _plan(engine: Any, manifest: Manifest, version: int, error: str | None
         return None, error or f"{engine.where()}: sharded plan of version {version}: {e}"
 
 
-def _agree_sizes(engine: Engine, plan: ShardPlan, mine: dict[int, int], failed: bool
-                 ) -> tuple[list[ShardBucket], bool]:
-    """Every bucket at the size of its records (each sender says its own), and whether the
-    update goes full instead (a sender failed, or a bucket's records did not fit it)."""
-    sizes = torch.full((len(plan.buckets) + 1,), _NEUTRAL, dtype=torch.int64)
-    for index, used in mine.items():
-        sizes[index] = used
-    sizes[-1] = int(failed)
+def _agree_sizes(engine: Engine, buckets: list[ShardBucket], mine: dict[int, int]
+                 ) -> tuple[dict[int, ShardBucket], set[int]]:
+    """One round's buckets (index -> bucket), each at the size of its records (each sender
+    says its own), or as the plan has it where the records would not fit: those go dense
+    (the second value: their indices)."""
+    sizes = torch.full((len(buckets),), _NEUTRAL, dtype=torch.int64)
+    for k, b in enumerate(buckets):
+        if b.index in mine:
+            sizes[k] = mine[b.index]
     engine._reduce_max(sizes, "delta: agreeing on the sharded buckets")
     said = sizes.tolist()
-    if said[-1] > 0:
-        return list(plan.buckets), True
-    return [_resized(b, said[b.index]) for b in plan.buckets], False
+    dense = {b.index for b, used in zip(buckets, said, strict=True) if used == _DENSE}
+    return {b.index: b if b.index in dense else _resized(b, used)
+            for b, used in zip(buckets, said, strict=True)}, dense
 
 
 def _resized(b: ShardBucket, used: int) -> ShardBucket:
@@ -146,23 +165,8 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     if plan is None:
         return error, 0, 0
     numbers = _numbering(engine, plan)
-    mine = plan.sent_by(engine.rank_in_senders)
     held, error = sharded.held_by(engine, plan, stream, error)
     capacity = engine.bucket_size - TRAILER_BYTES
-    made: dict[int, list[Record | Block]] = {}
-    if not full:
-        failed = error is not None
-        if not failed:
-            try:
-                with torch.no_grad():
-                    made = _diff(engine, plan, numbers, mine, held, snaps, capacity)
-            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                error = f"{engine.where()}: taking the delta of the weights: {e}"
-                failed = True
-        sizes = {b.index: 8 + sum(it.size for it in made.get(numbers.canon[b.index], ())) for b in mine}
-        failed = failed or any(used > capacity for used in sizes.values())
-        resized, full = _agree_sizes(engine, plan, sizes, failed)
-        engine.last_full = full
     if full:
         if snaps.fingerprint != key:
             snaps.pieces.clear()  # (another plan's pieces)
@@ -173,28 +177,47 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
         return error, wire, n
     wire = 0
     down: str | None = None
-    by_index = {b.index: b for b in resized}
-    for b0 in mine:
-        b = by_index[b0.index]
-        try:
-            slot = engine._acquire(b)
-        except TransferFailed as e:
-            down = down or str(e)
-            continue
-        if error is None:
+    keep = _Keep(engine, plan, numbers, snaps, capacity, held)
+    for group in numbers.rounds:
+        ours = [b for b in group if b.owner == engine.rank_in_senders]
+        made: dict[int, list[Record | Block]] = {}
+        if error is None and ours:
             try:
-                canon = numbers.canon[b.index]
-                _fill(slot, made.get(canon, []), numbers.sent_first[canon] - _first_of(plan, b))
-            except Exception as e:  # noqa: BLE001
-                error = f"{engine.where()}: filling delta bucket {b.index}: {e}"
-        down = down or engine._ship(b, slot, version, error)
-        wire += b.wire_bytes
+                with torch.no_grad():
+                    distinct = [b for b in ours if numbers.canon[b.index] == b.index]
+                    made = _diff(engine, plan, numbers, distinct, held, snaps, capacity)
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = f"{engine.where()}: taking the delta of the weights: {e}"
+        sizes = {}
+        for b in ours:  # (after a failure: empty buckets, their trailers saying why)
+            used = 8 + sum(it.size for it in made.get(numbers.canon[b.index], ()))
+            sizes[b.index] = _DENSE if used > capacity else used
+        sized, dense = _agree_sizes(engine, group, sizes)
+        for b0 in ours:
+            b = sized[b0.index]
+            try:
+                slot = engine._acquire(b)
+            except TransferFailed as e:
+                down = down or str(e)
+                continue
+            if error is None:
+                try:
+                    if b.index in dense:  # (packed as a full update packs it, and kept)
+                        sharded._tabled(engine, sharded._Pack, slot, b, plan).run(held)
+                        keep(b, slot)
+                    else:
+                        canon = numbers.canon[b.index]
+                        _fill(slot, made.get(canon, []), numbers.sent_first[canon] - _first_of(plan, b))
+                except Exception as e:  # noqa: BLE001
+                    error = f"{engine.where()}: filling delta bucket {b.index}: {e}"
+            down = down or engine._ship(b, slot, version, error)
+            wire += b.wire_bytes
     try:
         engine._flush_send(plan)
     except TransferFailed as e:
         down = down or str(e)
     engine._delta_pending = (version, key)
-    return error or down, wire, len(mine)
+    return error or down, wire, len(plan.sent_by(engine.rank_in_senders))
 
 
 def _first_of(plan: ShardPlan, b: ShardBucket) -> int:
@@ -224,13 +247,14 @@ def _sources(engine: Any, plan: ShardPlan, mine: list[ShardBucket], held: Any
 
 def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBucket], held: Any,
           snaps: Any, capacity: int) -> dict[int, list[Record | Block]]:
-    """The records of every piece this sender sends, by bucket (index -> records)."""
+    """The records of every piece of ``mine`` (distinct buckets of one round), by bucket
+    (index -> records)."""
     bucket_of = torch.empty(len(numbers.sent), dtype=torch.int64)
-    for b in numbers.distinct:
+    for b in mine:
         first = numbers.sent_first[b.index]
         bucket_of[first:first + len(b.pieces)] = b.index
     out: dict[int, list[Record | Block]] = {}
-    items = _read_digests(list(_records(_sources(engine, plan, numbers.distinct, held), numbers.sent, snaps,
+    items = _read_digests(list(_records(_sources(engine, plan, mine, held), numbers.sent, snaps,
                                         False, capacity - 8)))
     for it in items:
         if isinstance(it, Record):
@@ -388,12 +412,6 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
         except PlanError as e:
             error = f"{engine.where()}: {e}"
     mine = plan.received_by(r)
-    if not full:
-        resized, full = _agree_sizes(engine, plan, {}, False)
-        engine.last_full = full
-        if not full:
-            by_index = {b.index: b for b in resized}
-            mine = [by_index[b.index] for b in mine]
     verify = engine.verify_every > 0
     moved = torch.zeros(len(numbers.got), dtype=torch.int64) if verify and not full else None
     write = pieces is not None and error is None
@@ -402,41 +420,50 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
     src, children, hop = plan.relay_from[r], plan.relay_to[r], plan.depth_of(r)
     wire = forwarded = applied = 0
     nb = engine.num_buffers
+    # a full update: every bucket dense, at once; a delta update: round by round, each
+    # round's sizes agreed first (every rank takes part, whatever it receives)
+    groups = [[b for b in mine]] if full else [[b for b in mine if numbers.round_of[b.index] == k]
+                                                for k in range(len(numbers.rounds))]
+    done: list[ShardBucket] = []  # (forwarded on, for the abort notices after a failure)
+    dense: set[int] = set()
     try:
-        for b in mine[:nb]:
-            engine._post_recv(b, src=src, hop=hop)
-        for b in mine:
-            slot = engine._wait_recv(b)
-            for q in children:  # (before applying: the next hop starts at once)
-                engine._forward(b, slot, q, hop=hop + 1)
-            forwarded += 1
-            wire += b.wire_bytes
-            status, msg = buffers.check_trailer(slot, b, version, engine.where())
-            if status != buffers.STATUS_OK and error is None:
-                error = msg or f"{engine.where()}: sharded bucket {b.index} arrived with status {status}"
-            if error is None and write and not engine._refused:
-                engine.version = None  # from the first byte written on, the old version is gone
-                try:
-                    with torch.no_grad():
-                        if full:
-                            _copies(engine, slot, b, numbers, pieces).run(None)
-                        else:
-                            applied += _apply(slot, b.used, pieces.targets, numbers.got, False, moved)
-                except _Drift as e:
-                    error = f"{engine.where()}: {e}"
-                except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                    error = f"{engine.where()}: applying sharded bucket {b.index}: {e}"
-            if b.seq + nb < len(mine):
-                engine._post_recv(mine[b.seq + nb], src=src, hop=hop)
+        for k, group in enumerate(groups):
+            if not full:
+                sized, dense = _agree_sizes(engine, numbers.rounds[k], {})
+                group = [sized[b.index] for b in group]
+            for b in group[:nb]:
+                engine._post_recv(b, src=src, hop=hop)
+            for i, b in enumerate(group):
+                slot = engine._wait_recv(b)
+                for q in children:  # (before applying: the next hop starts at once)
+                    engine._forward(b, slot, q, hop=hop + 1)
+                forwarded += 1
+                done.append(b)
+                wire += b.wire_bytes
+                status, msg = buffers.check_trailer(slot, b, version, engine.where())
+                if status != buffers.STATUS_OK and error is None:
+                    error = msg or f"{engine.where()}: sharded bucket {b.index} arrived with status {status}"
+                if error is None and write and not engine._refused:
+                    engine.version = None  # from the first byte written on, the old version is gone
+                    try:
+                        with torch.no_grad():
+                            applied += _land(engine, slot, b, numbers, pieces, full or b.index in dense,
+                                             moved)
+                    except _Drift as e:
+                        error = f"{engine.where()}: {e}"
+                    except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                        error = f"{engine.where()}: applying sharded bucket {b.index}: {e}"
+                if i + nb < len(group):
+                    engine._post_recv(group[i + nb], src=src, hop=hop)
         if children:
             engine._flush_forward()
     except TransferFailed as e:
         error = error or str(e)
         if children:
-            sharded._abort_children(engine, mine[forwarded:], children, hop + 1, version, error)
+            sharded._abort_children(engine, _rest(mine, done), children, hop + 1, version, error)
     except WeightSyncError as e:
         if children:
-            sharded._abort_children(engine, mine[forwarded:], children, hop + 1, version, str(e))
+            sharded._abort_children(engine, _rest(mine, done), children, hop + 1, version, str(e))
         raise
     if write and error is None:
         pieces.stage_out()
@@ -455,6 +482,30 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
         engine._sharded_got = None
     return
     yield  # (a generator: the consumer sees no tensor, every one is in place)
+
+
+def _rest(mine: list[ShardBucket], done: list[ShardBucket]) -> list[ShardBucket]:
+    """The buckets not yet passed on (a relay's children get abort notices for them)."""
+    seen = {b.index for b in done}
+    return [b for b in mine if b.index not in seen]
+
+
+def _land(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering, pieces: _Pieces,
+          dense: bool, moved: torch.Tensor | None) -> int:
+    """One bucket into this rank's pieces: its records patched (their digests' sum back),
+    or, ``dense`` (a full update, or a bucket whose records would not fit it), copied; a
+    dense bucket in a delta update moves its pieces' running digests by what it wrote."""
+    if dense:
+        first = numbers.got_first[b.index]
+        if moved is not None:
+            targets = pieces.flat[first:first + len(b.pieces)]
+            before = digests(targets)
+            _copies(engine, slot, b, numbers, pieces).run(None)
+            moved[first:first + len(b.pieces)] += digests(targets) - before
+        else:
+            _copies(engine, slot, b, numbers, pieces).run(None)
+        return 0
+    return _apply(slot, b.used, pieces.targets, numbers.got, False, moved)
 
 
 def _copies(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering, pieces: _Pieces
