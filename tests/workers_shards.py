@@ -210,7 +210,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, replicas: int = 1,
               relay: int = 0, fsdp_port: int | None = None, fraction: float = 0.02,
               flip: int | None = None, verify_every: int = 1, dtype: str = "bfloat16",
-              device: str = "cpu", rounds: int | None = None) -> dict:
+              device: str = "cpu", rounds: int | tuple[int, ...] | None = None) -> dict:
     """Delta mode on sharded receive: ``R`` TP ranks in each of ``replicas`` replicas keep
     their regions (the layouts of :func:`run`: uneven splits, fused qkv, experts, a
     replicated norm whose destination is a strided view) and the tensor their layout does
@@ -221,14 +221,15 @@ def run_delta(rank: int, T: int, R: int, port: int, steps: int, bucket: int, rep
     copy that drifted): that update must fail naming it, and the next one land whole.
     ``dtype``: the weights in that precision end to end (``float8_e4m3fn``: fp8 serving).
     ``device`` "cuda": every rank's tensors on GPU 0 (gloo moves host buckets; the diff and
-    the patches run as the GPU kernels). ``rounds``: a delta update in that many rounds."""
+    the patches run as the GPU kernels). ``rounds``: a delta update in that many rounds
+    (``WEIGHTBUS_DELTA_ROUNDS``; a tuple: each rank's own setting, which may differ)."""
     from weightbus.errors import WeightSyncError
     torch.set_num_threads(1)
     dt = getattr(torch, dtype)
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
     if rounds is not None:
         import os
-        os.environ["WEIGHTBUS_DELTA_ROUNDS"] = str(rounds)
+        os.environ["WEIGHTBUS_DELTA_ROUNDS"] = str(rounds[rank] if isinstance(rounds, tuple) else rounds)
     rdv = Rendezvous("127.0.0.1", port, rank, T + R * replicas, timeout=60)
     trainer = rank < T
     engine = CheckpointEngineRegistry.new("gloo", role="trainer" if trainer else "rollout",
@@ -586,9 +587,9 @@ def delta_dense_bucket(rank: int, port: int) -> dict:
     real, dense = ds._agree_sizes, []
 
     def agree(*a, **k):  # (what the ranks agreed, recorded: not changed)
-        sized, went = real(*a, **k)
+        sized, went, more = real(*a, **k)
         dense.append(len(went))
-        return sized, went
+        return sized, went, more
     ds._agree_sizes = agree
     out: dict = {"wrong": [], "delta": [], "dense": dense}
     for step, fraction in enumerate([None, 1.0, 0.02], 1):

@@ -15,16 +15,18 @@ region is contiguous):
 - **Delta update**: each sender diffs every piece of its buckets against its snapshot and
   encodes the records of the package's format (:mod:`.encoding`; the record's tensor is
   the piece's number among its receiver's pieces, its range inside the piece). The
-  records of a bucket go in that bucket, at the bucket's own size: one all-reduce of
-  every bucket's size, then the same point-to-point transfers (and relay hops) as a dense
-  update. A receiver applies them in place (:func:`.receiver._apply`: the digest of every
-  record checked against its own old values), and checks the whole of its pieces every
-  ``verify_every`` updates, as delta mode does.
+  records of a bucket go in that bucket, at the bucket's own size. The update goes in
+  rounds of buckets (4 on GPUs, 1 on hosts): each round's sizes agreed in one
+  all-reduce, then the same point-to-point transfers (and relay hops) as a dense update,
+  patched while the senders diff the next round. A receiver applies them in place
+  (:func:`.receiver._apply`: the digest of every record checked against its own old
+  values), and checks the whole of its pieces every ``verify_every`` updates, as delta
+  mode does.
 
 So a receiver gets only the changes of what it keeps, from the rank that holds those rows,
-and no rank gathers anything. Where a bucket's records would not fit it (nearly every
-element of many small pieces changed), every rank learns it from that all-reduce before a
-byte moves and the update goes full.
+and no rank gathers anything. A bucket whose records would not fit it (nearly every
+element of many small pieces changed) goes dense on its own, every rank knowing it from
+its round's all-reduce before a byte of it moves.
 
 Destinations must be written in place: fixed placements (``set_shard_destinations`` with
 a mapping, whose regions are views) and, for tensors a layout does not name,
@@ -65,14 +67,15 @@ class _Numbering:
 
     def __init__(self, plan: ShardPlan, sender: int | None, receiver: int | None, rounds: int):
         metas = plan.manifest.metas
-        #: the rounds a delta update goes in: by each bucket's position among its
-        #: receiver's (the same on every rank); each round's sizes are agreed, then its
-        #: buckets move and are patched while the senders diff the next
-        last = max((b.seq for b in plan.buckets), default=0) + 1
+        mine = plan.sent_by(sender) if sender is not None else []
+        #: a sender's rounds of a delta update (its own buckets, by each one's position among
+        #: its receiver's): each round's sizes are agreed, then its buckets move and are
+        #: patched while the senders diff the next
+        last = max((b.seq for b in mine), default=0) + 1
         rounds = max(1, min(rounds, last))
-        self.round_of = {b.index: b.seq * rounds // last for b in plan.buckets}
+        self.round_of = {b.index: b.seq * rounds // last for b in mine}
         self.rounds: list[list[ShardBucket]] = [[] for _ in range(rounds)]
-        for b in plan.buckets:
+        for b in mine:
             self.rounds[self.round_of[b.index]].append(b)
 
         def numbered(buckets: list[ShardBucket], sending: bool) -> tuple[dict[int, int], Manifest]:
@@ -85,7 +88,6 @@ class _Numbering:
             return first, Manifest(pieces)
 
         none: tuple[dict[int, int], Manifest] = ({}, Manifest([]))
-        mine = plan.sent_by(sender) if sender is not None else []
         #: a sender's bucket -> the first of its buckets of the same round with the same
         #: pieces (replicas of one layout, fed direct, get the same buckets: diffed, and
         #: snapshotted, once)
@@ -130,24 +132,27 @@ def _plan(engine: Any, manifest: Manifest, version: int, error: str | None
         return None, error or f"{engine.where()}: sharded plan of version {version}: {e}"
 
 
-def _agree_sizes(engine: Engine, buckets: list[ShardBucket], mine: dict[int, int]
-                 ) -> tuple[dict[int, ShardBucket], set[int]]:
-    """One round's buckets (index -> bucket), each at the size of its records (each sender
-    says its own), or as the plan has it where the records would not fit: those go dense
-    (the second value: their indices)."""
-    sizes = torch.full((len(buckets),), _NEUTRAL, dtype=torch.int64)
-    for k, b in enumerate(buckets):
-        if b.index in mine:
-            sizes[k] = mine[b.index]
+def _agree_sizes(engine: Engine, plan: ShardPlan, mine: dict[int, int], more: bool
+                 ) -> tuple[dict[int, ShardBucket], set[int], bool]:
+    """One round: the buckets the senders put in it (index -> bucket), each at the size of
+    its records (each sender says its own), or as the plan has it where the records would
+    not fit (the second value: those, sent dense); and whether a sender has another round.
+    The senders choose their rounds (their devices and settings may differ); receivers
+    take each round as it comes."""
+    sizes = torch.full((len(plan.buckets) + 1,), _NEUTRAL, dtype=torch.int64)
+    for index, used in mine.items():
+        sizes[index] = used
+    sizes[-1] = int(more)
     engine._reduce_max(sizes, "delta: agreeing on the sharded buckets")
     said = sizes.tolist()
-    dense = {b.index for b, used in zip(buckets, said, strict=True) if used == _DENSE}
-    return {b.index: b if b.index in dense else _resized(b, used)
-            for b, used in zip(buckets, said, strict=True)}, dense
+    dense = {i for i, used in enumerate(said[:-1]) if used == _DENSE}
+    sized = {i: plan.buckets[i] if used == _DENSE else _resized(plan.buckets[i], used)
+             for i, used in enumerate(said[:-1]) if used != _NEUTRAL}
+    return sized, dense, said[-1] > 0
 
 
-def _resized(b: ShardBucket, used: int) -> ShardBucket:
-    return ShardBucket(b.index, b.owner, b.receiver, b.pieces, used, b.turn, b.seq)
+def _resized(b: ShardBucket, used: int, seq: int | None = None) -> ShardBucket:
+    return ShardBucket(b.index, b.owner, b.receiver, b.pieces, used, b.turn, b.seq if seq is None else seq)
 
 
 # ------------------------------------------------------------------ sender
@@ -178,8 +183,9 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     wire = 0
     down: str | None = None
     keep = _Keep(engine, plan, numbers, snaps, capacity, held)
-    for group in numbers.rounds:
-        ours = [b for b in group if b.owner == engine.rank_in_senders]
+    rounds, k, more = numbers.rounds, 0, True
+    while more:  # (until no sender has a round left: each takes part in every agreement)
+        ours = rounds[k] if k < len(rounds) else []
         made: dict[int, list[Record | Block]] = {}
         if error is None and ours:
             try:
@@ -192,7 +198,8 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
         for b in ours:  # (after a failure: empty buckets, their trailers saying why)
             used = 8 + sum(it.size for it in made.get(numbers.canon[b.index], ()))
             sizes[b.index] = _DENSE if used > capacity else used
-        sized, dense = _agree_sizes(engine, group, sizes)
+        sized, dense, more = _agree_sizes(engine, plan, sizes, k + 1 < len(rounds))
+        k += 1
         for b0 in ours:
             b = sized[b0.index]
             try:
@@ -418,27 +425,35 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
     if write and not full:
         pieces.stage_in()
     src, children, hop = plan.relay_from[r], plan.relay_to[r], plan.depth_of(r)
-    wire = forwarded = applied = 0
+    wire = applied = 0
     nb = engine.num_buffers
-    # a full update: every bucket dense, at once; a delta update: round by round, each
-    # round's sizes agreed first (every rank takes part, whatever it receives)
-    groups = [[b for b in mine]] if full else [[b for b in mine if numbers.round_of[b.index] == k]
-                                                for k in range(len(numbers.rounds))]
-    done: list[ShardBucket] = []  # (forwarded on, for the abort notices after a failure)
+    # a full update: every bucket dense, at once; a delta update: round by round, as the
+    # senders choose them, each round's sizes agreed first (every rank takes part, also
+    # after its transfers failed: the others would wait for it there until the deadline)
     dense: set[int] = set()
-    try:
-        for k, group in enumerate(groups):
-            if not full:
-                sized, dense = _agree_sizes(engine, numbers.rounds[k], {})
-                group = [sized[b.index] for b in group]
+    more, broken, seq = True, False, 0
+    while more:
+        if full:
+            group, more = mine, False
+        else:
+            sized, dense, more = _agree_sizes(engine, plan, {}, False)
+            group = [sized[b.index] for b in mine if b.index in sized]
+        # (each its place among this update's buckets here: the receive slots go by it)
+        group = [_resized(b, b.used, seq + j) for j, b in enumerate(group)]
+        seq += len(group)
+        if broken:  # (nothing moves to or from here any more: the ranks below hear why)
+            if children:
+                sharded._abort_children(engine, group, children, hop + 1, version, error or "")
+            continue
+        done = 0
+        try:
             for b in group[:nb]:
                 engine._post_recv(b, src=src, hop=hop)
             for i, b in enumerate(group):
                 slot = engine._wait_recv(b)
                 for q in children:  # (before applying: the next hop starts at once)
                     engine._forward(b, slot, q, hop=hop + 1)
-                forwarded += 1
-                done.append(b)
+                done += 1
                 wire += b.wire_bytes
                 status, msg = buffers.check_trailer(slot, b, version, engine.where())
                 if status != buffers.STATUS_OK and error is None:
@@ -455,16 +470,16 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
                         error = f"{engine.where()}: applying sharded bucket {b.index}: {e}"
                 if i + nb < len(group):
                     engine._post_recv(group[i + nb], src=src, hop=hop)
-        if children:
-            engine._flush_forward()
-    except TransferFailed as e:
-        error = error or str(e)
-        if children:
-            sharded._abort_children(engine, _rest(mine, done), children, hop + 1, version, error)
-    except WeightSyncError as e:
-        if children:
-            sharded._abort_children(engine, _rest(mine, done), children, hop + 1, version, str(e))
-        raise
+            if children:
+                engine._flush_forward()
+        except TransferFailed as e:
+            error, broken = error or str(e), True
+            if children:
+                sharded._abort_children(engine, group[done:], children, hop + 1, version, error)
+        except WeightSyncError as e:
+            if children:
+                sharded._abort_children(engine, group[done:], children, hop + 1, version, str(e))
+            raise
     if write and error is None:
         pieces.stage_out()
         if verify:
@@ -482,12 +497,6 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
         engine._sharded_got = None
     return
     yield  # (a generator: the consumer sees no tensor, every one is in place)
-
-
-def _rest(mine: list[ShardBucket], done: list[ShardBucket]) -> list[ShardBucket]:
-    """The buckets not yet passed on (a relay's children get abort notices for them)."""
-    seen = {b.index for b in done}
-    return [b for b in mine if b.index not in seen]
 
 
 def _land(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering, pieces: _Pieces,
