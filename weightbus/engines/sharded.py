@@ -201,6 +201,16 @@ def agree_layouts(engine: BucketEngine, manifest: Manifest, version: int, error:
     return error
 
 
+def plan_or_error(engine: BucketEngine, manifest: Manifest, version: int, error: str | None
+                  ) -> tuple[ShardPlan | None, str | None]:
+    """The update's plan, or None and the update's error (every rank computes the same
+    plan: every rank fails here alike)."""
+    try:
+        return plan_of(engine, manifest), error
+    except PlanError as e:
+        return None, error or f"{engine.where()}: sharded plan of version {version}: {e}"
+
+
 def plan_of(engine: BucketEngine, manifest: Manifest) -> ShardPlan:
     said = tuple(fp for fp, _ in engine._layout_seen)
     key = (manifest.fingerprint, engine.bucket_size, engine.n_senders, said)
@@ -356,10 +366,9 @@ def send(engine: BucketEngine, manifest: Manifest, stream: Stream | None, versio
     ``packed(b, slot)``: called with each bucket packed, before it is sent (delta mode
     keeps what it sent); ``held``: what :func:`held_by` gave the caller (a stream is
     walked once per update)."""
-    try:
-        plan = plan_of(engine, manifest)
-    except PlanError as e:  # every rank computes the same plan: every rank fails here alike
-        return error or f"{engine.where()}: sharded plan of version {version}: {e}", 0, 0
+    plan, error = plan_or_error(engine, manifest, version, error)
+    if plan is None:
+        return error, 0, 0
     mine = plan.sent_by(engine.rank_in_senders)
     if held is None:
         held, error = held_by(engine, plan, stream, error)
@@ -393,11 +402,8 @@ def receive(engine: BucketEngine, start: float, version: int, manifest: Manifest
             on_complete: Any, batched: bool) -> Iterator[Any]:
     """Rollout rank: take this rank's buckets; write placed regions into their
     destinations, yield the tensors this rank takes whole (assembled) when complete."""
-    plan = None
-    try:  # (after a failure too: the senders send their buckets, as abort notices)
-        plan = plan_of(engine, manifest)
-    except PlanError as e:  # every rank computes the same plan: every rank fails here alike
-        error = error or f"{engine.where()}: sharded plan of version {version}: {e}"
+    # (after a failure too: the senders send their buckets, as abort notices)
+    plan, error = plan_or_error(engine, manifest, version, error)
     r = engine.rank - engine.n_senders
     mine = plan.received_by(r) if plan is not None else []
     layout = engine._layouts[r] if plan is not None else None

@@ -47,7 +47,9 @@ from weightbus.engines import sharded
 from weightbus.engines.delta.encoding import _MASK
 from weightbus.engines.delta.protocol import Engine, _agree
 from weightbus.engines.delta.receiver import _apply, _Drift, _Targets, digests
+from weightbus.engines.delta.receiver import _verify as verify_whole
 from weightbus.engines.delta.sender import Block, Record, _read_digests, _records, part_elements
+from weightbus.engines.delta.sender import _fill as fill_records
 from weightbus.engines.streams import Stream
 from weightbus.errors import PlanError, TransferFailed, WeightSyncError
 from weightbus.packing import buffers, native
@@ -96,6 +98,14 @@ class _Numbering:
         for b in mine:
             self.canon[b.index] = seen.setdefault((self.round_of[b.index], b.pieces), b.index)
         self.distinct = [b for b in mine if self.canon[b.index] == b.index]
+        #: a sender's bucket -> the number of its first piece among its receiver's (the
+        #: records' tensor numbers there)
+        self.dest_first: dict[int, int] = {}
+        for r in {b.receiver for b in mine}:
+            n = 0
+            for x in plan.received_by(r):
+                self.dest_first[x.index] = n
+                n += len(x.pieces)
         self.sent_first, self.sent = numbered(self.distinct, True) if sender is not None else none
         self.got_first, self.got = numbered(plan.received_by(receiver), False) if receiver is not None \
             else none
@@ -122,14 +132,6 @@ def _key(engine: Any, manifest: Manifest) -> int:
     the buckets (the same plan on every rank)."""
     return hash((manifest.fingerprint, engine.bucket_size, engine.n_senders,
                  tuple(fp for fp, _ in engine._layout_seen))) & _MASK
-
-
-def _plan(engine: Any, manifest: Manifest, version: int, error: str | None
-          ) -> tuple[ShardPlan | None, str | None]:
-    try:
-        return sharded.plan_of(engine, manifest), error
-    except PlanError as e:  # every rank computes the same plan: every rank fails here alike
-        return None, error or f"{engine.where()}: sharded plan of version {version}: {e}"
 
 
 def _agree_sizes(engine: Engine, plan: ShardPlan, mine: dict[int, int], more: bool
@@ -162,7 +164,7 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     """The trainer side of one update of a sharded group in delta mode (after the header
     and the layouts); returns (error, bytes moved, buckets), as ``BucketEngine._transfer``."""
     snaps = engine._snapshots
-    plan, error = _plan(engine, manifest, version, error)
+    plan, error = sharded.plan_or_error(engine, manifest, version, error)
     key = _key(engine, manifest)
     held_version = snaps.version if snaps.fingerprint == key else None
     full = engine.last_full = not _agree(engine, held_version, None)
@@ -214,7 +216,8 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
                         keep(b, slot)
                     else:
                         canon = numbers.canon[b.index]
-                        _fill(slot, made.get(canon, []), numbers.sent_first[canon] - _first_of(plan, b))
+                        shift = numbers.sent_first[canon] - numbers.dest_first[b.index]
+                        _fill(slot, made.get(canon, []), shift)
                 except Exception as e:  # noqa: BLE001
                     error = f"{engine.where()}: filling delta bucket {b.index}: {e}"
             down = down or engine._ship(b, slot, version, error)
@@ -227,25 +230,10 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     return error or down, wire, len(plan.sent_by(engine.rank_in_senders))
 
 
-def _first_of(plan: ShardPlan, b: ShardBucket) -> int:
-    """The number of ``b``'s first piece among its receiver's pieces."""
-    firsts = getattr(plan, "_delta_got_first", None)
-    if firsts is None:
-        firsts = {}
-        for r in {x.receiver for x in plan.buckets}:
-            n = 0
-            for x in plan.received_by(r):
-                firsts[x.index] = n
-                n += len(x.pieces)
-        plan._delta_got_first = firsts  # type: ignore[attr-defined]
-    return firsts[b.index]
-
-
-def _sources(engine: Any, plan: ShardPlan, mine: list[ShardBucket], held: Any
+def _sources(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBucket], held: Any
              ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(piece number among this sender's, 0, the piece's view of its source) of every piece
     this sender sends, bucket by bucket (cut once per plan, as the dense pack is)."""
-    numbers = _numbering(engine, plan)
     for b in mine:
         first = numbers.sent_first[b.index]
         for j, view in enumerate(_cuts(engine, plan, b).sources(held)):
@@ -261,7 +249,7 @@ def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBuc
         first = numbers.sent_first[b.index]
         bucket_of[first:first + len(b.pieces)] = b.index
     out: dict[int, list[Record | Block]] = {}
-    items = _read_digests(list(_records(_sources(engine, plan, mine, held), numbers.sent, snaps,
+    items = _read_digests(list(_records(_sources(engine, plan, numbers, mine, held), numbers.sent, snaps,
                                         False, capacity - 8)))
     for it in items:
         if isinstance(it, Record):
@@ -281,10 +269,9 @@ def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBuc
 def _fill(slot: torch.Tensor, items: list[Record | Block], shift: int) -> None:
     """A bucket of records whose tensors are numbered among the sender's pieces, written
     with the receiver's numbers (``shift`` apart: a bucket's pieces are consecutive in both)."""
-    from weightbus.engines.delta.sender import _fill as fill
     if shift:
         items = [_shifted(it, shift) for it in items]
-    fill(slot, items)
+    fill_records(slot, items)
 
 
 def _shifted(it: Record | Block, shift: int) -> Record | Block:
@@ -402,7 +389,7 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
     """The rollout side of one update of a sharded group in delta mode: every piece written
     in place (nothing is yielded: every tensor this rank keeps is where it lands)."""
     chain = engine._chain
-    plan, error = _plan(engine, manifest, version, error)
+    plan, error = sharded.plan_or_error(engine, manifest, version, error)
     key = _key(engine, manifest)
     held = chain.version if engine.version == chain.version and chain.plan == key else None
     full = engine.last_full = not _agree(engine, held, chain.digest)
@@ -483,7 +470,7 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
     if write and error is None:
         pieces.stage_out()
         if verify:
-            error = _verify(engine, chain, pieces, numbers, version, moved)
+            error = verify_whole(engine, chain, pieces.targets, numbers.got, version, moved)
     if error is not None or not verify:
         chain.sums = None
     if error is None:
@@ -531,11 +518,4 @@ def _copies(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering
     return got
 
 
-def _verify(engine: Any, chain: Any, pieces: _Pieces, numbers: _Numbering, version: int,
-            moved: torch.Tensor | None) -> str | None:
-    """As :func:`.receiver._verify`, over this rank's pieces."""
-    from weightbus.engines.delta.receiver import _verify as verify
-    return verify(engine, chain, pieces.targets, numbers.got, version, moved)
-
-
-__all__ = ["digests", "receive", "send"]
+__all__ = ["receive", "send"]
