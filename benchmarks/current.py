@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BEGIN, END = "<!-- current table: benchmarks/current.py -->", "<!-- end of the current table -->"
 HOT = ["weightbus/engines", "weightbus/packing", "weightbus/buffers.py", "weightbus/plan.py",
-       "weightbus/sources.py", "weightbus/sinks.py", "weightbus/integrations"]
+       "weightbus/sources.py", "weightbus/sinks.py", "weightbus/integrations", "weightbus/quant"]
 
 
 def _git(*args: str) -> str:

@@ -20,16 +20,10 @@ import asyncio
 import torch
 
 from weightbus import CheckpointEngineRegistry, ModuleSink, ModuleSource
+from weightbus.planning.simulate import served_fp8 as served
 from weightbus.quant import FP8, Fp8Format, QuantizedSource
 from weightbus.runtime.local import Rendezvous, connect
 from weightbus.tools.demo import digest
-
-
-def served(name: str, shape: tuple[int, ...]) -> bool:
-    """The weights a Qwen3 FP8 checkpoint holds in fp8: every linear weight but the head
-    and the MoE router."""
-    return len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name \
-        and not name.endswith("mlp.gate.weight")
 
 
 def nudge(weights: dict[str, torch.Tensor], share: float, seed: int) -> None:

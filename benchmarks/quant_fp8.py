@@ -23,13 +23,9 @@ import time
 import torch
 
 from weightbus.planning import presets
+from weightbus.planning.simulate import served_fp8 as served
 from weightbus.quant import FP8, Fp8Format, QuantizedSource, quantize_many
 from weightbus.sources import ModuleSource
-
-
-def served(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name \
-        and not name.endswith("mlp.gate.weight")
 
 
 def _sync(device: torch.device) -> None:

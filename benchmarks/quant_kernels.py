@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from weightbus.planning import presets
+from weightbus.planning.simulate import served_fp8 as served
 from weightbus.quant import FP8_MAX, Fp8Format
 from weightbus.quant.kernels import _SRC, BlockLaunch, _block_fp8
 
@@ -133,10 +134,6 @@ def _persistent(src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor, blk
         _block_body(b, src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor,
                     blk_index, SRC, BM, BN, INV_MAX, ALIGN, SUB, ONE_PASS, UNROLL, EVEN, EVICT1, EVICT2)
 
-
-def served(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name \
-        and not name.endswith("mlp.gate.weight")
 
 
 def main() -> None:

@@ -72,6 +72,18 @@ def _quantized():
     return torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
 
 
+def _fp8_writer(*dests):
+    """``QuantizedSource.writer`` (the rollout's own tensors as its destinations) given ``dests``
+    for a bf16 weight served in block fp8 (payload, scale) and a bias served as it is."""
+    from weightbus.quant import Fp8Format, QuantizedSource
+    source = QuantizedSource(ModuleSource({"w": torch.randn(256, 130, dtype=torch.bfloat16),
+                                           "b": torch.zeros(3, dtype=torch.bfloat16)}), {"w": Fp8Format()})
+    return source.writer(list(dests))
+
+
+_F8 = torch.float8_e4m3fn
+
+
 # (id, call, expected error type, regex the message must match)
 class _Loaders:
     """Shard destinations that place each region themselves (as vLLM's loaders do)."""
@@ -159,6 +171,16 @@ CASES = [
     ("quantized-stream", lambda: Manifest.from_tensors([("q", _quantized())]), WeightbusError, "quantized.*int_repr"),
     ("quantized-source", lambda: _source({"q": _quantized()}), WeightbusError, "quantized"),
     ("quantized-meta", lambda: Manifest([TensorMeta("q", torch.qint8, (2,))]), WeightbusError, "quantized dtype"),
+    ("fp8-writer-count", lambda: _fp8_writer(torch.empty(256, 130, dtype=_F8)), WeightbusError,
+     r"1 destinations for 3 tensors"),
+    ("fp8-writer-payload-dtype", lambda: _fp8_writer(torch.empty(256, 130, dtype=torch.bfloat16),
+                                                     torch.empty(2, 2), torch.empty(3)), WeightbusError,
+     r"the destination of 'w' float8_e4m3fn\[256, 130\] is bfloat16\[256, 130\]"),
+    ("fp8-writer-scale-shape", lambda: _fp8_writer(torch.empty(256, 130, dtype=_F8), torch.empty(2, 1),
+                                                   torch.empty(3, dtype=torch.bfloat16)), WeightbusError,
+     r"the destination of 'w_scale_inv' float32\[2, 2\] is float32\[2, 1\]"),
+    ("fp8-writer-not-a-tensor", lambda: _fp8_writer(torch.empty(256, 130, dtype=_F8), torch.empty(2, 2), None),
+     WeightbusError, r"the destination of 'b' bfloat16\[3\] is NoneType"),
     ("source-non-tensor", lambda: _source({"a": torch.ones(1), "step": 3}), WeightbusError, "'step' is of type int"),
     ("source-name-map-non-str", lambda: ModuleSource({"a": torch.ones(1)}, name_map=lambda n: 3), WeightbusError,
      "must return the rollout's name"),

@@ -221,6 +221,17 @@ def test_delta_names_the_scenario_it_needs(nothing_starts, capsys):
     assert {c.scenario for c in configs} == {"disaggregated"} and {c.delta for c in configs} == {0.1}
 
 
+def test_fp8_names_the_scenarios_it_needs(nothing_starts, capsys):
+    err = _refused(["bench", "--scenario", "disaggregated", "--fp8"], capsys)
+    assert "--fp8 applies to the colocated scenarios only, not --scenario disaggregated" in err, err
+    err = _refused(["bench", "--fp8", "--delta", "0.1"], capsys)  # (--delta chooses disaggregated)
+    assert "--fp8 applies to the colocated scenarios only" in err, err
+    with pytest.raises(AssertionError, match="started"):  # alone, it chooses the colocated ones
+        cli.main(["bench", "--fp8"])
+    (configs, *_), _ = nothing_starts[0]
+    assert {c.scenario for c in configs} == {"colocated"} and all(c.fp8 for c in configs)
+
+
 def test_trainers_name_the_scenario_they_need(nothing_starts, capsys):
     err = _refused(["bench", "--scenario", "hybrid-fsdp", "--trainers", "2"], capsys)
     assert "--trainers" in err and "--scenario disaggregated only, not --scenario hybrid-fsdp" in err, err
@@ -275,12 +286,12 @@ def test_engine_logs_go_to_a_file_named_in_one_line_unless_verbose(capfd):
     assert "engine noise" in out and "scary" in err and "engine logs" not in out
 
 
-def test_a_quiet_run_leaves_no_log_file(capfd):
-    before = set(os.listdir(tempfile.gettempdir()))
+def test_a_quiet_run_leaves_no_log_file(capfd, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its own: demos in other workers log too)
     with cli._logs_to_file(verbose=False):
-        pass
+        assert any(n.startswith("weightbus-demo-") for n in os.listdir(tmp_path))  # (it did log there)
     assert capfd.readouterr().out == ""
-    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("weightbus-demo-")}
+    assert not os.listdir(tmp_path)
 
 
 # ---------------------------------------------------------------- 6. the floor, or why not

@@ -16,6 +16,21 @@ def test_bench_scenario_cpu(scenario):
     assert scenario in format_table([row])
 
 
+def test_bench_fp8_colocated_row_cpu():
+    """``fp8``: the rollout serves its linear weights in block fp8 and is checked bitwise
+    against torch's quantizer run on the trainer's weights; the bytes are what it holds."""
+    row = run_bench(BenchConfig(scenario="colocated", preset="tiny", iters=1, gpu=False, timeout=120,
+                                trainer_dtype="bf16", fp8=True))
+    assert row["verified"] and row["scenario"] == "colocated fp8" and row["naive_s"] is None
+    from weightbus.planning import presets
+    from weightbus.planning.simulate import served_fp8
+    held = sum(r * c + 4 * -(-r // 128) * -(-c // 128) if served_fp8(n, s) else 2 * r * c
+               for n, s in presets.shapes("tiny") for r, c in [(s[0], s[1] if len(s) > 1 else 1)])
+    assert row["bytes"] == held
+    with pytest.raises(ValueError, match="fp8= applies to the colocated scenarios"):
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, fp8=True)
+
+
 def test_bench_stress_preset_and_checks_before_running(tmp_path):
     """A many-tensor stress preset runs and verifies; bad names fail at once, naming the
     choices; the plot is drawn."""

@@ -131,6 +131,9 @@ def test_gpu_kernel_gives_the_plain_path_bits(dtype):
     xs[1][7] = 1e-30  # subnormal in fp8 after scaling, next to normal values
     # full blocks of a tensor that starts off 16-byte alignment (no wide accesses)
     xs.append(torch.randn(1 + 256 * 384, device="cuda").to(dtype)[1:].view(256, 384))
+    xs.append(torch.randn(300, 136, device="cuda").to(dtype))
+    xs[-1][130, 3] = float("nan")  # a NaN in a full block and in a ragged one: NaN scales
+    xs[-1][299, 135] = float("nan")
     fmt = Fp8Format("block")
     cache: dict = {}
     # 1: set up, a chunk at a time; 2, 3: the same tensors changed in place (the call
@@ -145,8 +148,10 @@ def test_gpu_kernel_gives_the_plain_path_bits(dtype):
         got = quantize_many([(fmt, x) for x in xs], cache=cache)
         for x, (q, s) in zip(xs, got, strict=True):
             rq, rs = fmt.quantize(x)  # the plain path (held to vLLM's bits in test_vllm_quant.py)
-            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (step, x.shape)
-            assert torch.equal(s, rs), (step, x.shape)
+            if not x.isnan().any():  # (a NaN block's payload is not defined: its update is refused)
+                assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (step, x.shape)
+            assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.nan_to_num(), rs.nan_to_num()), \
+                (step, x.shape)
 
 
 @gpu
@@ -162,6 +167,18 @@ def test_fp8_updates_from_a_gpu_in_bulk_bitwise(port):
         previous = expected
     bulk = [u["bulk"] for u in logs[0]]
     assert None not in bulk and bulk[1] == bulk[2], bulk
+
+
+@gpu
+def test_fp8_into_a_colocated_rollout_written_by_the_quantizer(port):
+    trainer, rollout = spawn(workers_quant.fp8_direct, 2, (port,), timeout=300)
+    for k in (0, 1, 2, 4):
+        assert trainer[k]["fused"], k
+        assert rollout[k]["got"] == trainer[k]["expected"], f"update {k + 1}"
+        assert rollout[k]["version"] == k + 1
+    assert trainer[0]["expected"] != trainer[1]["expected"] != trainer[2]["expected"]
+    for side in (trainer, rollout):  # a NaN: both ranks fail, naming the weight
+        assert "'q.weight' holds NaN or inf" in side[3]["error"], side[3]
 
 
 @gpu
@@ -189,10 +206,77 @@ def test_gpu_source_groups_bitwise_and_names_a_nan():
     for name, fmt in workers_quant.SERVED.items():
         q, s = fmt.quantize(fp32.state_dict()[name].to(torch.bfloat16))
         assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
+    for bad in (float("inf"), float("nan")):  # (a NaN too: the kernel's max must not drop it)
+        with torch.no_grad():
+            model.q.weight[200, 7] = bad
+        for group in (1 << 30, 0):
+            source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED_BLOCK,
+                                     group_bytes=group)
+            assert source.plain_tensors() is None  # (the bulk path gives way, and the stream names it)
+            with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):
+                list(source)
+
+
+def _zeros(source: QuantizedSource, device: str) -> list[torch.Tensor]:
+    return [torch.zeros(m.shape, dtype=torch.uint8 if m.dtype == FP8 else m.dtype, device=device)
+            .view(m.dtype) for m in source.manifest]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_written_straight_into_the_rollouts_tensors(device):
+    """``writer``: every tensor of the update lands in the rollout's own (the fp8 payloads,
+    their scales, the tensors served as they are), bitwise as the source yields them, over
+    updates of changing weights, set up once while nothing moved; on a GPU the block
+    weights go through the kernel with no fp8 copy of the model between."""
+    model = workers_quant.Trainer(torch.bfloat16).to(device)
+    source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED)
+    dests = _zeros(source, device)
+    write = source.writer(dests)
+    set_ups = []
+    for k in (1, 2, 3):
+        model.step(k)
+        assert write()
+        set_ups.append(write.held_at)
+        for m, d, (name, t) in zip(source.manifest, dests, source, strict=True):
+            assert name == m.name and torch.equal(_bits(d), _bits(t)), (k, name)
+    assert set_ups[0] is set_ups[1] is set_ups[2]  # set up once
+    if device == "cuda":
+        assert source._last is None  # plain_tensors' fp8 copy of the model was never made
+        assert write.launches and all(launch.payload is None for launch, _ in write.launches)
+    # a weight given new memory (the module's parameter replaced): followed, set up again
     with torch.no_grad():
-        model.q.weight[200, 7] = float("inf")
+        model.q.weight.data = model.q.weight.data.clone() * 2
+    assert write() and write.held_at is not set_ups[0]
+    assert torch.equal(_bits(dests[1]), _bits(dict(source)["q.weight"]))
+
+
+def test_writer_refuses_what_does_not_fit():
+    model = workers_quant.Trainer(torch.bfloat16)
+    source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED)
+    dests = _zeros(source, "cpu")
+    with pytest.raises(PlanError, match="7 destinations for 8 tensors"):
+        source.writer(dests[:-1])
+    with pytest.raises(PlanError, match=r"the destination of 'q.weight_scale_inv' float32\[3, 2\] is "
+                                        r"float32\[2, 3\]"):
+        source.writer([*dests[:2], torch.zeros(2, 3), *dests[3:]])
+    # where it cannot, it says so and writes nothing: a payload's destination not
+    # contiguous; an fp32 trainer (its weights are cast to bf16 first, by the usual path)
+    strided = torch.zeros(136, 264, dtype=torch.uint8).view(FP8).t()
+    model.step(1)
+    assert not source.writer([dests[0], strided, *dests[2:]])()
+    fp32 = QuantizedSource(ModuleSource(workers_quant.Trainer(torch.float32), dtype=torch.bfloat16),
+                           workers_quant.SERVED)
+    assert not fp32.writer(dests)()
+    assert all(not _bits(d).any() for d in dests)
+    # a NaN: the update fails, naming the weight
+    with torch.no_grad():
+        model.q.weight[200, 7] = float("nan")
     with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):
-        list(source)
+        source.writer(dests)()
 
 
 def test_fp8_deltas_bitwise_fewer_bytes(port):

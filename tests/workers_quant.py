@@ -98,3 +98,52 @@ def fp8_updates(rank: int, backend: str, T: int, R: int, port: int, trainer_dtyp
             out.append({"got": {n: digest(t) for n, t in state.items()}, "version": engine.version})
     engine.finalize(destroy_group=True)
     return out
+
+
+def fp8_direct(rank: int, port: int):
+    """Colocated direct mode on one GPU into an fp8 rollout: the trainer's source writes
+    straight into the rollout's exported tensors (the block weights quantized by the kernel
+    into them), bitwise as the plain quantizer makes them, over updates of changing
+    weights; a NaN fails the update on both ranks naming the weight; the next one lands."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    engine = new_engine("colocated", rank == 1, device=device, timeout=60)
+    state = None
+    if rank == 1:
+        state = {n: t.to(device) for n, t in rollout_state(SERVED).items()}
+        engine.set_destinations(state)
+    connect(engine, rdv, 1, 1)
+    assert engine._direct
+    model = Trainer(torch.bfloat16).to(device)
+    source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), SERVED)
+    out = []
+    for k in (1, 2, 3, 4, 5):
+        model.step(k)
+        if k == 4:
+            with torch.no_grad():
+                model.q.weight[200, 7] = float("nan")
+        rdv.all_gather(None)
+        try:
+            if rank == 0:
+                asyncio.run(engine.send_weights(source, version=k))
+                expected = {}
+                for name, t in model.state_dict().items():
+                    fmt = SERVED.get(name)
+                    if fmt is None:
+                        expected[name] = digest(t.cpu())
+                    else:
+                        q, scale = fmt.quantize(t)
+                        expected[name], expected[fmt.scale_name(name)] = digest(q.cpu()), digest(scale.cpu())
+                out.append({"expected": expected, "fused": source._last is None})  # (no fp8 copy made)
+            else:
+                report = asyncio.run(ModuleSink(state).load(engine.receive_weights()))
+                assert report.ok, report.describe()
+                out.append({"got": {n: digest(t.cpu()) for n, t in state.items()}, "version": engine.version})
+        except Exception as e:  # noqa: BLE001
+            out.append({"error": str(e)})
+        if k == 4:
+            with torch.no_grad():
+                model.q.weight[200, 7] = 0.5
+    engine.finalize(destroy_group=True)
+    return out

@@ -49,7 +49,11 @@ class WeightSource(Protocol):
       (sharded tensors are gathered only to the ranks that pack them); ``into(i)``, where
       given, names a tensor to write tensor ``i`` into (direct mode);
     - optionally ``plain_tensors()``: every tensor in manifest order as a list (or None),
-      so the engine packs with no per-tensor step.
+      so the engine packs with no per-tensor step (asked when an engine first wants it);
+    - optionally ``writer(dests)``: a function that writes every tensor, in manifest
+      order, straight into ``dests`` and says whether it could (colocated direct mode
+      hands it the rollout's own tensors: :class:`weightbus.quant.QuantizedSource`
+      quantizes into them, with no copy of the model between).
     """
 
     manifest: Manifest

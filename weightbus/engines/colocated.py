@@ -102,6 +102,7 @@ class ColocatedEngine(BucketEngine):
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
         self._direct_items: tuple[Manifest, dict, list] | None = None
+        self._writers: tuple[Manifest, Any, list[Callable[[], bool]]] | None = None  # see _write_fused
         self._misfit_of: tuple[Manifest, str | None] | None = None
         self._own_events: list[torch.cuda.Event] = []  # per slot: packed (trainer) / released (rollout)
         self._peer_events: list[list[torch.cuda.Event]] = []  # the peers' events, per peer, per slot
@@ -331,6 +332,7 @@ class ColocatedEngine(BucketEngine):
         self._direct_for: Manifest | None = None
         self._direct_list: buffers.CopyList | None = None
         self._direct_items: tuple[Manifest, dict, list] | None = None
+        self._writers: tuple[Manifest, Any, list[Callable[[], bool]]] | None = None  # see _write_fused
         self._misfit_of: tuple[Manifest, str | None] | None = None
         self._works, self._ready, self._acked = [], {}, 0
 
@@ -481,12 +483,17 @@ class ColocatedEngine(BucketEngine):
         if why and error is None:
             error = f"{self.where()}: direct mode: {why}"
         held = None
+        written = False
         if stream is not None and error is None:
             try:
-                held = self._held_tensors(stream)
+                written = self._write_fused(manifest, stream)
+                held = None if written else self._held_tensors(stream)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = f"{self.where()}: {e}"
-        if held is not None and error is None:
+        if written:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+        elif held is not None and error is None:
             # every tensor at hand: one multi-tensor cast-copy into every paired rollout
             # rank's tensors, over a destination list made once per manifest
             try:
@@ -574,6 +581,22 @@ class ColocatedEngine(BucketEngine):
             why = next((w for w in (self._misfit(manifest, t) for t in self._targets) if w), None)
             known = self._misfit_of = (manifest, why)
         return known[1]
+
+    def _write_fused(self, manifest: Manifest, stream: Any) -> bool:
+        """Direct mode: a source that can write its tensors into the rollout's itself
+        (``writer``: a :class:`~weightbus.quant.QuantizedSource` quantizes straight into
+        the rollout's fp8 weights, with no fp8 copy of the model between) does so for every
+        paired rollout rank; False where it cannot, and the engine copies as usual. The
+        writers hold the rollout's tensors: kept per source and manifest, dropped with the
+        group (so a rollout's memory is never held past it)."""
+        make = getattr(stream.source, "writer", None)
+        if make is None or not self._targets:
+            return False
+        known = self._writers
+        if known is None or known[0] is not manifest or known[1] is not stream.source:
+            known = self._writers = (manifest, stream.source,
+                                     [make([t[m.name] for m in manifest]) for t in self._targets])
+        return all([write() for write in known[2]])
 
     def _direct_copies(self, manifest: Manifest) -> buffers.CopyList:
         """Direct mode: every paired rollout rank's tensors, in manifest order (made once

@@ -18,15 +18,24 @@ class Stream:
     ``(name, tensor)`` in manifest order (tensor ``None`` where this rank need not hold it)."""
 
     def __init__(self, manifest: Manifest, open_: Callable[..., Iterator[tuple[str, torch.Tensor | None]]],
-                 strict_dtype: bool, tensors: list[torch.Tensor] | None = None):
+                 strict_dtype: bool, plain: Callable[[], list[torch.Tensor] | None] | None = None):
         self.manifest = manifest
         self.open = open_
         self.strict_dtype = strict_dtype
-        #: every tensor, in manifest order, where the source holds them all as plain
-        #: tensors: the sender then packs with no per-tensor step at all
-        self.tensors = tensors
-        #: the source object, where there is one (delta mode asks it for local pieces)
+        self._plain = plain
+        self._tensors: list[torch.Tensor] | None = None
+        #: the source object, where there is one (delta mode asks it for local pieces; a
+        #: colocated trainer in direct mode, to write into the rollout's tensors)
         self.source: Any = None
+
+    @property
+    def tensors(self) -> list[torch.Tensor] | None:
+        """Every tensor, in manifest order, where the source holds them all as plain
+        tensors (its ``plain_tensors()``, asked on first use: an engine that has the source
+        write elsewhere never makes them): the sender then packs with no per-tensor step."""
+        if self._plain is not None:
+            self._tensors, self._plain = self._plain(), None
+        return self._tensors
 
     def checked_tensors(self, checked_before: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """:attr:`tensors`, once checked against the manifest in bulk (a mismatch names the
@@ -69,8 +78,7 @@ def resolve_stream(weights: Any, cached: Manifest | None) -> Stream:
                 if into is not None:
                     return weights.iter_for(owners, rank, into=into)
                 return weights.iter_for(owners, rank)
-            plain = getattr(weights, "plain_tensors", None)
-            stream = Stream(manifest, open_, False, plain() if plain is not None else None)
+            stream = Stream(manifest, open_, False, getattr(weights, "plain_tensors", None))
             stream.source = weights
             return stream
         return Stream(manifest, lambda plan, owners, rank: iter(weights), False)

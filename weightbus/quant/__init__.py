@@ -23,7 +23,7 @@ rollout's names. Tensors without a declared format travel as before.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -474,6 +474,35 @@ class QuantizedSource:
         self._last = (held, replay.out if replay is not None else None, whole)
         return whole
 
+    def writer(self, dests: Sequence[torch.Tensor]) -> Callable[[], bool]:
+        """A function that writes every tensor this source sends, in its manifest's order,
+        straight into ``dests`` (one per manifest entry, of its dtype and shape: a
+        colocated rollout's own fp8 weights, their scales and its other tensors), with no
+        fp8 copy of the model between; called once per update. On a GPU the block-format
+        weights go in one replayed kernel launch whose payloads land in ``dests``, then the
+        scales and the other tensors in one tabled copy; elsewhere a weight at a time,
+        into its destination. ``dests`` must stay where they are while it is used (the
+        caller holds them, and drops the function with them); its set-up is kept while the
+        wrapped source hands the same tensors.
+
+        ``dests`` that do not fit the manifest raise :class:`PlanError` here, naming the
+        tensor. The function returns False, having written nothing, where the wrapped
+        source does not hold its tensors (no ``plain_tensors``), a weight is not in its
+        wire dtype (an fp32 trainer's: the usual path casts it first) or a weight's
+        destination is not a contiguous tensor on its device: the caller then reads the
+        source as usual. A weight holding NaN or inf raises :class:`PlanError` naming it;
+        what was written by then stays (on a GPU, every payload and no scale), so the
+        caller fails the update."""
+        metas = self.manifest.metas
+        if len(dests) != len(metas):
+            raise PlanError(f"QuantizedSource.writer: {len(dests)} destinations for {len(metas)} tensors")
+        for m, d in zip(metas, dests, strict=True):
+            if not isinstance(d, torch.Tensor) or d.dtype != m.dtype or tuple(d.shape) != m.shape:
+                got = f"{str(d.dtype).removeprefix('torch.')}{list(d.shape)}" \
+                    if isinstance(d, torch.Tensor) else type(d).__name__
+                raise PlanError(f"QuantizedSource.writer: the destination of {m.describe()} is {got}")
+        return _Writer(self, list(dests))
+
     def _quantized(self, named: Iterator[tuple[str, torch.Tensor | None]]
                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # CUDA weights are quantized a group at a time (one launch for up to group_bytes
@@ -521,9 +550,7 @@ class QuantizedSource:
             else:
                 q, scale = next(done) if kernel else fmt.quantize(t.detach())
                 if (suspect or not kernel) and not bool(torch.isfinite(scale).all()):
-                    bad = (~torch.isfinite(scale)).nonzero()[0].tolist()
-                    raise PlanError(f"{name!r} holds NaN or inf (the {fmt.kind} scale at {bad} is "
-                                    f"{scale[tuple(bad)].item()}): not quantized to fp8")
+                    _non_finite(name, fmt, scale)
                 yield name, q
                 yield scale_names[name], scale
 
@@ -542,3 +569,91 @@ class QuantizedSource:
         def packers(i: int) -> frozenset[int]:  # (the weight's and its scale's buckets)
             return owners(outer[i]) | owners(outer[i] + 1) if scaled[i] else owners(outer[i])
         return self._quantized(inner(packers, rank))
+
+
+class _Writer:
+    """:meth:`QuantizedSource.writer`'s function, for one list of destinations. Its set-up,
+    made again only where the wrapped source's tensors moved: a kernel launch per block
+    size and dtype whose payloads are the destinations (and whose scales go to a flat
+    buffer of its own, looked at for NaN and inf at once before any is copied out), the
+    plain quantizer a weight at a time for the rest, and one tabled copy of the scales and
+    the tensors that pass as they are."""
+
+    def __init__(self, source: QuantizedSource, dests: list[torch.Tensor]):
+        self.source, self.dests = source, dests
+        self.names = [m.name for m in source.manifest]
+        self.held_at: Any = None  # (the addresses of the tensors it was set up for)
+        self.ready = False
+        self.launches: list[tuple[Any, list[str]]] = []
+        self.plain: list[tuple[int, Fp8Format, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.copies: Any = None
+
+    def __call__(self) -> bool:
+        from weightbus.packing import native
+        inner = getattr(self.source.source, "plain_tensors", None)
+        held = inner() if inner is not None else None
+        if held is None:
+            return False
+        # set up again only where a tensor moved (its address: a source may hand the same
+        # list with a tensor in it replaced, or a new list of the same tensors)
+        at = native.data_ptrs(held)
+        if self.held_at is None or len(at) != len(self.held_at) or not bool((at == self.held_at).all()):
+            self.ready = self._set_up(held)
+            self.held_at = at
+        if not self.ready:
+            return False
+        self._run()
+        return True
+
+    def _set_up(self, held: list[torch.Tensor]) -> bool:
+        from weightbus.packing import buffers
+        source, dests = self.source, self.dests
+        fmts = source._fmts
+        weights = list(source._take(held))
+        at = [o for o, k in zip(source._outer, source._scaled, strict=True) if k]
+        for t, w, o in zip(weights, source._wires, at, strict=True):
+            d = dests[o]
+            if t.dtype != w or d.device != t.device or not d.is_contiguous():
+                return False
+        kernel = [k for k, (f, t) in enumerate(zip(fmts, weights, strict=True)) if _kernel_fits(f, t)]
+        if kernel:
+            from weightbus.quant import kernels as quant_triton  # (Triton: imported where used)
+        self.launches, scale_srcs, scale_dsts = [], [], []
+        for (block, _, _), ks in _groups([(fmts[k], weights[k]) for k in kernel]).items():
+            ks = [kernel[j] for j in ks]
+            launch = quant_triton.BlockLaunch(
+                [weights[k] for k in ks], [fmts[k].scale_shape(tuple(weights[k].shape)) for k in ks],
+                block, FP8_MAX, outs=[dests[at[k]] for k in ks])
+            self.launches.append((launch, [self.names[at[k]] for k in ks]))
+            scale_srcs += launch.scales
+            scale_dsts += [dests[at[k] + 1] for k in ks]
+        fitting = set(kernel)
+        self.plain = [(at[k], fmts[k], weights[k], dests[at[k]], dests[at[k] + 1])
+                      for k in range(len(weights)) if k not in fitting]
+        passing = [(dests[o], t) for o, t, scaled in zip(source._outer, held, source._scaled, strict=True)
+                   if not scaled]
+        self.copies = None if not scale_dsts and not passing else \
+            buffers.CopyList(scale_dsts + [d for d, _ in passing], scale_srcs + [t for _, t in passing])
+        return True
+
+    def _run(self) -> None:
+        for launch, _ in self.launches:
+            launch.run()
+        for o, fmt, t, q, scale in self.plain:
+            fmt.quantize(t.detach(), q, scale)
+            if not bool(torch.isfinite(scale).all()):
+                _non_finite(self.names[o], fmt, scale)
+        if self.launches and not bool(torch.stack([torch.isfinite(launch.scale_flat).all()
+                                                   for launch, _ in self.launches]).all()):
+            for launch, names in self.launches:  # (only to name the weight)
+                for name, scale in zip(names, launch.scales, strict=True):
+                    if not bool(torch.isfinite(scale).all()):
+                        _non_finite(name, Fp8Format("block", launch.block), scale)
+        if self.copies is not None:
+            self.copies.run()
+
+
+def _non_finite(name: str, fmt: Fp8Format, scale: torch.Tensor) -> None:
+    bad = (~torch.isfinite(scale)).nonzero()[0].tolist()
+    raise PlanError(f"{name!r} holds NaN or inf (the {fmt.kind} scale at {bad} is "
+                    f"{scale[tuple(bad)].item()}): not quantized to fp8")

@@ -55,12 +55,17 @@ def _block_fp8(src_tab, dst_tab, scale_tab, rows_tab, cols_tab, blk_tensor, blk_
         else:
             x = tl.load(src + r * stride + c, mask=(r < m - r0) & (c < n - c0), other=0.0,
                         eviction_policy="evict_last")
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        # (a NaN kept, as torch's amax keeps it: a max that drops it would quantize a NaN
+        # weight with a finite scale, and the update would not see it)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
     # amax in float32, clamped at 1e-4; sf = amax / 448 as torch computes it on a GPU
     # (a tensor divided by a scalar is multiplied by the scalar's float32 reciprocal);
     # 1 / sf an IEEE division (torch's reciprocal); values * (1 / sf) cast to e4m3 (round
-    # to nearest even; in range here, so saturating or not gives the same bits)
+    # to nearest even; in range here, so saturating or not gives the same bits). A block
+    # with a NaN gets a NaN scale (the reduction below drops NaNs: they are looked for).
     sf = tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), 1e-4) * INV_MAX
+    nans = tl.sum(tl.sum((amax != amax).to(tl.int32), axis=1), axis=0)
+    sf = tl.where(nans > 0, float("nan"), sf)
     inv = tl.math.div_rn(1.0, sf)
     for s in tl.range(0, BM, SUB):
         r = s + tl.arange(0, SUB)[:, None]
@@ -78,10 +83,12 @@ class BlockLaunch:
     """One launch over a fixed list of CUDA matrices: the fp8 payloads and the scales are
     views of two flat buffers, and the tables live on the device, so a source that sends
     the same tensors at every update (a model's parameters do not move) pays the set-up
-    once and then one launch per group."""
+    once and then one launch per group. With ``outs`` (contiguous e4m3 tensors of the
+    sources' shapes: a colocated rollout's own weights) the payloads are written there
+    instead, and no payload buffer is made."""
 
     def __init__(self, srcs: list[torch.Tensor], scale_shapes: list[tuple[int, ...]],
-                 block: tuple[int, int], fp8_max: float):
+                 block: tuple[int, int], fp8_max: float, outs: list[torch.Tensor] | None = None):
         device = srcs[0].device
         self.block, self.dtype = block, srcs[0].dtype
         # (1 / 448 rounded to float32, as torch rounds it before multiplying)
@@ -91,20 +98,24 @@ class BlockLaunch:
         cols = [t.shape[1] for t in srcs]
         numel = [m * n for m, n in zip(rows, cols, strict=True)]
         counts = [-(-m // bm) * -(-n // bn) for m, n in zip(rows, cols, strict=True)]
-        starts = [0]  # (each payload 16-byte aligned in one flat buffer)
-        for k in numel:
-            starts.append(starts[-1] + -(-k // 16) * 16)
-        self.payload = torch.empty(starts[-1], dtype=torch.float8_e4m3fn, device=device)
+        if outs is None:
+            starts = [0]  # (each payload 16-byte aligned in one flat buffer)
+            for k in numel:
+                starts.append(starts[-1] + -(-k // 16) * 16)
+            self.payload: torch.Tensor | None = torch.empty(starts[-1], dtype=torch.float8_e4m3fn,
+                                                            device=device)
+            outs = [self.payload[a:a + k].view(t.shape) for a, k, t in zip(starts, numel, srcs, strict=False)]
+        else:
+            self.payload = None
+        self.outs = outs
         self.scale_flat = torch.empty(sum(counts), dtype=torch.float32, device=device)
-        self.outs = [self.payload[a:a + k].view(t.shape)
-                     for a, k, t in zip(starts, numel, srcs, strict=False)]
         self.scales = [sc.view(shape) for sc, shape in
                        zip(self.scale_flat.split(counts), scale_shapes, strict=True)]
         host = torch.tensor([[t.data_ptr() for t in srcs], [q.data_ptr() for q in self.outs],
                              [sc.data_ptr() for sc in self.scales], rows, cols], dtype=torch.int64)
         self.tab = host.to(device)
-        aligned = torch.tensor([t.data_ptr() % 16 == 0 and n % 16 == 0
-                                for t, n in zip(srcs, cols, strict=True)], device=device)
+        aligned = torch.tensor([t.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0 and n % 16 == 0
+                                for t, q, n in zip(srcs, outs, cols, strict=True)], device=device)
         tensor, index = _blocks(counts, device)
         # (a block is full when its row block and its column block are: those below the
         # last, or the last where the extent divides by the block)

@@ -43,6 +43,8 @@ from weightbus import comm
 from weightbus.engines.api import CheckpointEngine, CheckpointEngineRegistry
 from weightbus.packing.shards import Box, chunk_box
 from weightbus.planning import presets
+from weightbus.planning.simulate import served_fp8
+from weightbus.quant import FP8, Fp8Format, QuantizedSource
 from weightbus.runtime.local import Rendezvous, connect, spawn
 from weightbus.sinks import ModuleSink
 from weightbus.sources import ModuleSource
@@ -87,6 +89,11 @@ class BenchConfig:
     #: disaggregated: trainer ranks, FSDP2-sharded (each holds its dim-0 shard of every
     #: tensor); every update's buckets are spread over them
     trainers: int = 1
+    #: colocated scenarios: the rollout serves its linear weights in block fp8 (e4m3, one
+    #: float32 scale per 128x128 block, as a Qwen3-FP8 checkpoint), so the trainer's source
+    #: quantizes them on the way (``QuantizedSource``); the floor is one bulk cast of the
+    #: same elements (to e4m3 for those, to bf16 for the rest)
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         presets.check(self.preset, self.layers)
@@ -140,6 +147,9 @@ class BenchConfig:
             raise ValueError(f"{T} trainer(s) and {self.receivers} receivers on GPUs need "
                              f"{T + self.receivers} of them (one per rank); this machine has "
                              f"{torch.cuda.device_count()}")
+        if self.fp8 and not self.scenario.startswith("colocated"):
+            raise ValueError("fp8= applies to the colocated scenarios (a rollout serving fp8 on the "
+                             "trainer's device)")
         if self.trainer_dtype not in TRAINER_DTYPES:
             raise ValueError(f"trainer_dtype must be one of {', '.join(TRAINER_DTYPES)}, "
                              f"got {self.trainer_dtype!r}")
@@ -158,7 +168,7 @@ class BenchConfig:
         """The scenario as the table shows it: with its engine and receivers when chosen."""
         if self.scenario != "disaggregated" or (self.backend is None and self.receivers == 1
                                                  and self.trainers == 1):
-            return self.scenario
+            return self.scenario + (" fp8" if self.fp8 else "")
         shape = f" {self.topology}" if self.topology else ""
         return f"disagg {self.engine}{shape} {self.trainers}->{self.receivers}" \
             + (" TP" if self.rollout_tp else "") + (f"x{self.replicas}" if self.replicas > 1 else "")
@@ -182,24 +192,55 @@ def _trainer_weights(cfg: BenchConfig, device: torch.device) -> dict[str, torch.
     return {n: torch.randn(s, dtype=dtype, device=device, generator=g) for n, s in cfg.shapes()}
 
 
+def _fp8_formats(cfg: BenchConfig) -> dict[str, Fp8Format]:
+    """``fp8``: the weights the rollout serves in block fp8 (a Qwen3-FP8 checkpoint's)."""
+    return {n: Fp8Format("block") for n, s in cfg.shapes() if cfg.fp8 and served_fp8(n, s)}
+
+
 def _rollout_weights(cfg: BenchConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(s, dtype=WIRE, device=device) for n, s in cfg.shapes()}
+    fp8 = _fp8_formats(cfg)
+    out = {}
+    for n, s in cfg.shapes():
+        fmt = fp8.get(n)
+        out[n] = torch.zeros(s, dtype=WIRE if fmt is None else FP8, device=device)
+        if fmt is not None:
+            out[fmt.scale_name(n)] = torch.zeros(fmt.scale_shape(s), dtype=torch.float32, device=device)
+    return out
+
+
+def _served(cfg: BenchConfig, trainer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the rollout holds after an update, made from the trainer's weights on the
+    plain path (torch ops a tensor at a time, not the engine's): every tensor in bf16,
+    and with ``fp8`` each served weight as vLLM's quantizer makes it, then its scale."""
+    fp8 = _fp8_formats(cfg)
+    out = {}
+    for n, t in trainer.items():
+        fmt = fp8.get(n)
+        if fmt is None:
+            out[n] = t.to(WIRE)
+        else:
+            out[n], out[fmt.scale_name(n)] = fmt.quantize(t.to(WIRE))
+    return out
 
 
 def _bulk_cast_copy(cfg: BenchConfig, device: torch.device) -> Any:
     """The colocated floor: the same number of elements cast-copied from the trainer's
-    dtype into bf16 in a few bulk operations (one per ``FLOOR_CHUNK`` elements)."""
-    total = sum(_numel(s) for _, s in cfg.shapes())
-    n = min(total, FLOOR_CHUNK)
-    src = torch.empty(n, dtype=TRAINER_DTYPES[cfg.trainer_dtype], device=device)
-    dst = torch.empty(n, dtype=WIRE, device=device)
+    dtype into bf16 in a few bulk operations (one per ``FLOOR_CHUNK`` elements); with
+    ``fp8``, those of the served weights cast into e4m3."""
+    fp8 = _fp8_formats(cfg)
+    parts = [(sum(_numel(s) for n, s in cfg.shapes() if (n in fp8) == q), FP8 if q else WIRE)
+             for q in (True, False)]
+    biggest = min(max(k for k, _ in parts), FLOOR_CHUNK)
+    src = torch.empty(biggest, dtype=TRAINER_DTYPES[cfg.trainer_dtype], device=device)
+    dsts = {d: torch.empty(min(biggest, k), dtype=d, device=device) for k, d in parts if k}
 
     def floor() -> None:
-        done = 0
-        while done < total:
-            k = min(n, total - done)
-            dst[:k].copy_(src[:k])
-            done += k
+        for total, dtype in parts:
+            done = 0
+            while done < total:
+                k = min(biggest, total - done)
+                dsts[dtype][:k].copy_(src[:k])
+                done += k
     return floor
 
 
@@ -232,15 +273,21 @@ def _mutate(weights: dict[str, torch.Tensor]) -> None:
             t.neg_()
 
 
-def _checksums(named: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """Two integer sums over the exact 16-bit patterns of each tensor."""
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _checksums(named: dict[str, torch.Tensor], wire: bool = True) -> dict[str, tuple[int, int]]:
+    """Two integer sums over the exact bit patterns of each tensor (cast to bf16 first,
+    as they travel, where ``wire``)."""
     out = {}
     step = 1 << 26  # in chunks: int64 copies of a whole embedding would not fit beside 32B
     for n, t in named.items():
         flat = t.detach().reshape(-1)
         s1 = s2 = 0
         for lo in range(0, flat.numel(), step):
-            v = flat[lo:lo + step].to(WIRE).view(torch.int16).to(torch.int64)
+            v = flat[lo:lo + step]
+            v = v.to(WIRE) if wire else v
+            v = v.view(_BITS[v.element_size()]).to(torch.int64)
             s1 += int(v.sum())
             s2 += int((v * v).sum())
         out[n] = (s1, s2)
@@ -679,7 +726,9 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     weights = _trainer_weights(cfg, device) if trainer else _rollout_weights(cfg, device)
     engine = _colocated_engine(cfg, device, trainer, weights)
     connect(engine, rdv, 1, 1)
-    source = ModuleSource(weights, dtype=WIRE) if trainer else None
+    source: Any = ModuleSource(weights, dtype=WIRE) if trainer else None
+    if source is not None and cfg.fp8:
+        source = QuantizedSource(source, _fp8_formats(cfg))
     biggest = max(t.numel() for t in weights.values())
     scratch = torch.empty(biggest, dtype=WIRE, device=device) if trainer else None
     bulk = _bulk_cast_copy(cfg, device) if trainer else None
@@ -696,11 +745,17 @@ def _colocated(rank: int, cfg: BenchConfig, port: int) -> dict[str, Any]:
     weightbus = _update_fn(engine, source, weights)
 
     times, peak = _measure(cfg, rdv, device, lambda: _mutate(weights) if trainer else None,
-                           floor, weightbus, naive)
-    result = {"times": times, "checksums": _checksums(weights),
+                           floor, weightbus, None if cfg.fp8 else naive)
+    held = _served(cfg, weights) if trainer and cfg.fp8 else weights  # (what the rollout should hold)
+    result = {"times": times, "checksums": _checksums(held, wire=not cfg.fp8),
               "peak_extra": peak + _engine_bytes(engine),
               "engine_buffers": engine.num_buffers * engine.bucket_size}
+    # the rollout's exported tensors outlive the trainer's hold on them: a process that
+    # closes a CUDA IPC mapping after its exporter exited aborts (torch cannot unlink the
+    # mapping's reference count), so the rollout exits only after the trainer let go
+    rdv.all_gather(None)
     engine.finalize(destroy_group=True)
+    rdv.all_gather(None)
     return result
 
 
@@ -799,6 +854,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown scenario {cfg.scenario!r}; choose from {', '.join(SCENARIOS)}")
     nbytes = presets.nbytes(cfg.preset, 2, cfg.layers)
+    if cfg.fp8:  # (what the rollout holds: one byte an element and the scales, where served)
+        fp8 = _fp8_formats(cfg)
+        nbytes -= sum(_numel(s) - 4 * _numel(fp8[n].scale_shape(s)) for n, s in cfg.shapes() if n in fp8)
     med = {k: statistics.median(v) for k, v in trainer["times"].items() if v}
     verified = all(r["checksums"] == trainer["checksums"] for r in rollouts)
     row: dict[str, Any] = {

@@ -345,6 +345,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.topology is not None and "nixl" not in engines:
         error(f"--topology {args.topology} shapes the nixl engine's forwarding: add --backend nixl, "
               f"or drop it")
+    if args.fp8:
+        others = sorted(set(args.scenario or ()) - {"colocated", "colocated-direct"})
+        if others or knobs:
+            error(f"--fp8 applies to the colocated scenarios only, not --scenario "
+                  f"{', '.join(others or ['disaggregated'])}")
+        scenarios = [s for s in scenarios if s.startswith("colocated")]
     direct = [s for s in scenarios if s.endswith("-direct")]
     if direct and not gpu:
         error(f"--scenario {direct[0]} writes straight into exported GPU memory, and this machine has no "
@@ -367,7 +373,8 @@ def _bench(args: argparse.Namespace) -> int:
                                rollout_tp=args.rollout_tp if s == "disaggregated" else None,
                                replicas=args.replicas if s == "disaggregated" else 1,
                                relay=args.relay if s == "disaggregated" else None,
-                               trainers=args.trainers if s == "disaggregated" else 1)
+                               trainers=args.trainers if s == "disaggregated" else 1,
+                               fp8=args.fp8)
                    for p in names for s in scenarios for e in engines]
     except ValueError as e:
         error(str(e))
@@ -486,6 +493,9 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
                    help="--scenario disaggregated (chosen by it): this many FSDP2 trainer ranks, each "
                         "holding its dim-0 shard of every tensor; each bucket goes from the rank that "
                         "packs it")
+    b.add_argument("--fp8", action="store_true",
+                   help="colocated scenarios: the rollout serves its linear weights in block fp8 (as a "
+                        "Qwen3-FP8 checkpoint) and the trainer quantizes on the way; floor: one bulk cast")
     b.add_argument("--iters", type=_int(1, what=" (timed iterations)"), default=5,
                    help="timed iterations, after one warm-up")
     b.add_argument("--bucket-mb", type=_int(1, 1 << 16, what=" (MiB per bucket)"),
