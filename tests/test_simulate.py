@@ -141,6 +141,23 @@ def test_simulator_within_15_percent_of_every_measured_row(row):
     assert p.floor_s <= p.seconds or delta is not None
 
 
+def test_fp8_into_a_colocated_rollout_within_15_percent():
+    """RESULTS, "At the link, round seven" (one H200): a bf16 trainer's update into a
+    colocated rollout serving block fp8, direct mode, the quantizer writing the rollout's
+    payloads itself: no fp8 copy of the model planned, nor its memory."""
+    manifest = manifest_of(presets.shapes("30b-a3b", 24), fp8=True)
+    p = simulate(cluster("h200"), C, manifest, "colocated", trainer_dtype=BF16, fp8=True)
+    runs = (18.1, 17.5, 16.9, 18.2, 18.6, 17.3, 18.9, 20.0, 19.0)
+    assert abs(p.seconds * 1e3 / statistics.median(runs) - 1) <= 0.15, (p.seconds * 1e3, p.parts)
+    assert p.peak_extra_gib == 0
+    # the ring (and an fp32 trainer, cast first) still quantize into an fp8 copy, then copy it
+    ring = simulate(cluster("h200"), C, manifest, "colocated-ring", trainer_dtype=BF16, fp8=True)
+    fp32 = simulate(cluster("h200"), C, manifest, "colocated", trainer_dtype=FP32, fp8=True)
+    payloads = sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1) / GiB
+    assert ring.peak_extra_gib >= payloads and fp32.peak_extra_gib >= payloads
+    assert fp32.seconds > p.seconds + 5e-3
+
+
 @pytest.mark.parametrize("preset, layers, ms", [("8b", None, 44.9), ("30b-a3b", 12, 244.1)])
 def test_a_gather_per_tensor_within_15_percent_of_the_measured_rows(preset, layers, ms):
     """benchmarks/gather_each.py on 2xH200: every tensor cast and all-gathered on its own

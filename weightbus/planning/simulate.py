@@ -656,7 +656,14 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
     hbm = c.hbm_gbps * GB
     if fp8:  # the trainer quantizes its share first (bf16 read, e4m3 + scales written)
         parts["quantize"] = quantize_s(manifest, c, cal) / lay.n_senders
-        u.extra_gib += sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1) / lay.n_senders / GiB
+        payloads = sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1)
+        if backend == "colocated" and lay.trainers == 1 and trainer_dtype.itemsize == 2:
+            # direct mode: the quantizer writes the rollout's payloads itself
+            # (QuantizedSource.writer): no fp8 copy of the model, and only the scales and the
+            # tensors served as they are copied after it
+            parts["copy"] = u.copy_s(manifest.nbytes - payloads)
+        else:
+            u.extra_gib += payloads / lay.n_senders / GiB
     if delta is not None:
         mine = manifest.nbytes / lay.n_senders
         # the trainer's diff against what it sent last (read both, write the snapshot), and
