@@ -86,3 +86,44 @@ def test_fp8_quantization_of_unmoved_tensors_does_not_grow_with_them():
         assert grown <= PER_TENSOR * (MANY - FEW), (
             f"fp8: a warm call's {what} grew by {grown} for {MANY - FEW} more weights "
             f"({counts[0][what]} -> {counts[1][what]}): something works per tensor")
+
+
+@GPU
+def test_fp8_written_into_a_colocated_rollout_does_not_grow_with_the_weights():
+    """A warm ``QuantizedSource.writer`` call over unmoved weights (an fp8 update in
+    colocated direct mode: the kernel writing the rollout's payloads, then one tabled copy
+    of the scales and the tensors served as they are), counted for 1,000 and 4,000 weights
+    of the same bytes, and bitwise the plain path's."""
+    pytest.importorskip("triton")
+    from workers_hotpath import counted
+
+    from weightbus import ModuleSource
+    from weightbus.packing import native
+    from weightbus.quant import Fp8Format, QuantizedSource
+    native.pointer_library(wait=True)  # (counted as it runs once built: not while it builds)
+    fmt = Fp8Format("block")
+    counts = []
+    for n in (FEW, MANY):
+        rows = (BYTES // 2) // n // 128  # (elements per weight, in rows of 128)
+        weights = {f"w{i}.weight": torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+                   for i in range(n)}
+        weights["norm.weight"] = torch.randn(128, device="cuda", dtype=torch.bfloat16)  # (served as it is)
+        source = QuantizedSource(ModuleSource(weights), {k: fmt for k in weights if k != "norm.weight"})
+        dests = [torch.empty(m.shape, dtype=m.dtype, device="cuda") for m in source.manifest]
+        write = source.writer(dests)
+        for _ in range(2):  # (set up, then a warm call)
+            assert write()
+        for t in weights.values():
+            t.mul_(1.5)
+        counts.append(counted(write))
+        torch.cuda.synchronize()
+        for i in range(0, n, 97):  # (weight i's payload and scale are destinations 2i and 2i + 1)
+            rq, rs = fmt.quantize(weights[f"w{i}.weight"])
+            assert torch.equal(dests[2 * i].view(torch.uint8), rq.view(torch.uint8))
+            assert torch.equal(dests[2 * i + 1], rs)
+        assert torch.equal(dests[-1], weights["norm.weight"])
+    for what in ("lines", "calls", "ops"):
+        grown = counts[1][what] - counts[0][what]
+        assert grown <= PER_TENSOR * (MANY - FEW), (
+            f"fp8 writer: a warm call's {what} grew by {grown} for {MANY - FEW} more weights "
+            f"({counts[0][what]} -> {counts[1][what]}): something works per tensor")
