@@ -65,3 +65,41 @@ def test_relayed_shards_land_bitwise_at_every_update(port, T, relay):
     sent = sum(out[t]["stats"][-1]["wire_bytes"] for t in range(T))
     one_replica = sum(out[T + q]["stats"][-1]["wire_bytes"] for q in range(P))
     assert sent == one_replica, (sent, one_replica)
+
+
+def test_a_replica_joining_from_a_live_peer_takes_the_next_delta(port):
+    """Delta mode over a relayed sharded group (the manager; 2 replicas of TP=2, a chain):
+    a replica that joins from a live peer (``join_from_peer``: the peer's shards copied,
+    the trainer not involved) is a leaf of its layout's tree, so the next update stays a
+    delta for every replica, the joiner's included, and lands bitwise on all of them. One
+    added the usual way (``add_replicas``: it holds nothing) makes the next one whole."""
+    from weightbus.manager import CheckpointEngineManager
+    from weightbus.runtime.group import LocalWorkerGroup, call
+    trainer = LocalWorkerGroup(ws.ToyTrainer, 1, name="trainer")
+    reps = [LocalWorkerGroup(ws.ToyTPRollout, P, name=f"r{i}") for i in range(2)]
+    groups = [trainer, *reps]
+    mgr = CheckpointEngineManager("gloo", trainer, reps, timeout=30, relay=1, delta=True, bucket_size=1024)
+
+    def step(version: int, delta: bool) -> None:
+        call(trainer, "train_step", version, timeout=30)
+        report = mgr.update_weights(version=version)
+        assert report.delta is delta, (version, report)
+        for g in mgr.replicas:
+            assert call(g, "wrong", version, timeout=30) == [[]] * P, (g.name, version)
+    try:
+        step(1, False)  # (the first update is whole)
+        step(2, True)
+        late = LocalWorkerGroup(ws.ToyTPRollout, P, name="late")
+        groups.append(late)
+        got = mgr.join_from_peer(late)
+        assert got["version"] == 2 and call(late, "wrong", 2, timeout=30) == [[]] * P
+        step(3, True)  # (the joiner adopted the peer's chain and its plan: still a delta)
+        fresh = LocalWorkerGroup(ws.ToyTPRollout, P, name="fresh")
+        groups.append(fresh)
+        mgr.add_replicas([fresh])
+        step(4, False)  # (it holds nothing: every replica takes this one whole)
+        step(5, True)
+    finally:
+        mgr.shutdown()
+        for g in groups:
+            g.shutdown(timeout=2)

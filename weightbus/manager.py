@@ -97,7 +97,8 @@ class CheckpointEngineManager:
         self._stale: set[str] = set()  # link ids the trainers must drop
         self.registry = registry
         self._registered: set[str] = set()  # names of the replicas that came from the registry
-        self._chains: dict[str, tuple[int, int]] = {}  # joined from a peer (delta mode): its chain
+        #: joined from a peer (delta mode): the chain it holds (version, digest, sharded plan)
+        self._chains: dict[str, tuple[int, int, int | None]] = {}
         #: what the replicas serve in fp8 (weightbus.quant), as the trainers were told it
         self._formats: dict[str, Any] | None = None
         self.add_replicas(replicas)

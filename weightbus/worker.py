@@ -89,12 +89,14 @@ class EngineHost:
         connection was made under), to see that a membership change left them alone."""
         return dict(getattr(self._wb_engine, "connections", {}))
 
-    def wb_adopt(self, version: int, digest: int) -> None:
+    def wb_adopt(self, version: int, digest: int, plan: int | None = None) -> None:
         """Delta mode: this rank holds, bitwise, what a peer that applied this chain of
-        patches holds (it was filled from that peer): the next update can stay a delta."""
+        patches holds (it was filled from that peer; ``plan``: a sharded group's plan the
+        peer's pieces were numbered by): the next update can stay a delta."""
         engine = self._wb_engine
         if engine is not None and getattr(engine, "delta", False) and self.weights_version == version:
-            engine._chain.version, engine._chain.digest = version, digest  # type: ignore[attr-defined]
+            chain = engine._chain  # type: ignore[attr-defined]
+            chain.version, chain.digest, chain.plan = version, digest, plan
             engine.version = version
 
     def wb_version(self) -> int | None:
@@ -256,7 +258,8 @@ class WeightbusWorker(EngineHost):
         finally:
             engine.finalize(destroy_group=True)
         chain = getattr(self._wb_engine, "_chain", None)  # delta mode: what the joiner holds too
-        held = (chain.version, chain.digest) if chain is not None and chain.version is not None else None
+        held = (chain.version, chain.digest, chain.plan) if chain is not None and chain.version is not None \
+            else None
         return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds, "chain": held}
 
     async def wb_peer_receive(self, addr: str, port: int, prefix: str, timeout: float,

@@ -127,11 +127,15 @@ def _numbering(engine: Any, plan: ShardPlan) -> _Numbering:
     return got
 
 
-def _key(engine: Any, manifest: Manifest) -> int:
-    """What a snapshot or a receiver's pieces were made under: the manifest, the layouts,
-    the buckets (the same plan on every rank)."""
-    return hash((manifest.fingerprint, engine.bucket_size, engine.n_senders,
-                 tuple(fp for fp, _ in engine._layout_seen))) & _MASK
+def _key(engine: Any, manifest: Manifest, plan: ShardPlan | None) -> int:
+    """What a snapshot or a receiver's pieces were made under (the same on every rank): the
+    manifest, the buckets, and the layouts of the ranks the senders feed. A relayed rank
+    takes its root's buckets, so a replica that joins or leaves below the roots (a leaf of
+    a relay tree: one that joined from a live peer, ``join_from_peer``) changes nothing the
+    others' pieces were numbered by, and the next update stays a delta."""
+    fed = tuple((r, fp) for r, (fp, _) in enumerate(engine._layout_seen)
+                if plan is None or plan.relay_from[r] is None)
+    return hash((manifest.fingerprint, engine.bucket_size, engine.n_senders, fed)) & _MASK
 
 
 def _agree_sizes(engine: Engine, plan: ShardPlan, mine: dict[int, int], more: bool
@@ -165,7 +169,7 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     and the layouts); returns (error, bytes moved, buckets), as ``BucketEngine._transfer``."""
     snaps = engine._snapshots
     plan, error = sharded.plan_or_error(engine, manifest, version, error)
-    key = _key(engine, manifest)
+    key = _key(engine, manifest, plan)
     held_version = snaps.version if snaps.fingerprint == key else None
     full = engine.last_full = not _agree(engine, held_version, None)
     snaps.version = None  # until this update completes
@@ -390,7 +394,7 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
     in place (nothing is yielded: every tensor this rank keeps is where it lands)."""
     chain = engine._chain
     plan, error = sharded.plan_or_error(engine, manifest, version, error)
-    key = _key(engine, manifest)
+    key = _key(engine, manifest, plan)
     held = chain.version if engine.version == chain.version and chain.plan == key else None
     full = engine.last_full = not _agree(engine, held, chain.digest)
     chain.version = None
