@@ -73,12 +73,12 @@ def _quantized():
 
 
 def _fp8_writer(*dests):
-    """``QuantizedSource.writer`` (the rollout's own tensors as its destinations) given ``dests``
+    """``QuantizedSource.direct_writer`` (the rollout's own tensors as its destinations) given ``dests``
     for a bf16 weight served in block fp8 (payload, scale) and a bias served as it is."""
     from weightbus.quant import Fp8Format, QuantizedSource
     source = QuantizedSource(ModuleSource({"w": torch.randn(256, 130, dtype=torch.bfloat16),
                                            "b": torch.zeros(3, dtype=torch.bfloat16)}), {"w": Fp8Format()})
-    return source.writer(list(dests))
+    return source.direct_writer(list(dests))
 
 
 _F8 = torch.float8_e4m3fn

@@ -90,7 +90,7 @@ def test_fp8_quantization_of_unmoved_tensors_does_not_grow_with_them():
 
 @GPU
 def test_fp8_written_into_a_colocated_rollout_does_not_grow_with_the_weights():
-    """A warm ``QuantizedSource.writer`` call over unmoved weights (an fp8 update in
+    """A warm ``QuantizedSource.direct_writer`` call over unmoved weights (an fp8 update in
     colocated direct mode: the kernel writing the rollout's payloads, then one tabled copy
     of the scales and the tensors served as they are), counted for 1,000 and 4,000 weights
     of the same bytes, and bitwise the plain path's."""
@@ -110,7 +110,7 @@ def test_fp8_written_into_a_colocated_rollout_does_not_grow_with_the_weights():
         weights["norm.weight"] = torch.randn(128, device="cuda", dtype=torch.bfloat16)  # (served as it is)
         source = QuantizedSource(ModuleSource(weights), {k: fmt for k in weights if k != "norm.weight"})
         dests = [torch.empty(m.shape, dtype=m.dtype, device="cuda") for m in source.manifest]
-        write = source.writer(dests)
+        write = source.direct_writer(dests)
         for _ in range(2):  # (set up, then a warm call)
             assert write()
         for t in weights.values():

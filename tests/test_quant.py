@@ -228,14 +228,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_written_straight_into_the_rollouts_tensors(device):
-    """``writer``: every tensor of the update lands in the rollout's own (the fp8 payloads,
+    """``direct_writer``: every tensor of the update lands in the rollout's own (the fp8 payloads,
     their scales, the tensors served as they are), bitwise as the source yields them, over
     updates of changing weights, set up once while nothing moved; on a GPU the block
     weights go through the kernel with no fp8 copy of the model between."""
     model = workers_quant.Trainer(torch.bfloat16).to(device)
     source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED)
     dests = _zeros(source, device)
-    write = source.writer(dests)
+    write = source.direct_writer(dests)
     set_ups = []
     for k in (1, 2, 3):
         model.step(k)
@@ -259,24 +259,24 @@ def test_writer_refuses_what_does_not_fit():
     source = QuantizedSource(ModuleSource(model, dtype=torch.bfloat16), workers_quant.SERVED)
     dests = _zeros(source, "cpu")
     with pytest.raises(PlanError, match="7 destinations for 8 tensors"):
-        source.writer(dests[:-1])
+        source.direct_writer(dests[:-1])
     with pytest.raises(PlanError, match=r"the destination of 'q.weight_scale_inv' float32\[3, 2\] is "
                                         r"float32\[2, 3\]"):
-        source.writer([*dests[:2], torch.zeros(2, 3), *dests[3:]])
+        source.direct_writer([*dests[:2], torch.zeros(2, 3), *dests[3:]])
     # where it cannot, it says so and writes nothing: a payload's destination not
     # contiguous; an fp32 trainer (its weights are cast to bf16 first, by the usual path)
     strided = torch.zeros(136, 264, dtype=torch.uint8).view(FP8).t()
     model.step(1)
-    assert not source.writer([dests[0], strided, *dests[2:]])()
+    assert not source.direct_writer([dests[0], strided, *dests[2:]])()
     fp32 = QuantizedSource(ModuleSource(workers_quant.Trainer(torch.float32), dtype=torch.bfloat16),
                            workers_quant.SERVED)
-    assert not fp32.writer(dests)()
+    assert not fp32.direct_writer(dests)()
     assert all(not _bits(d).any() for d in dests)
     # a NaN: the update fails, naming the weight
     with torch.no_grad():
         model.q.weight[200, 7] = float("nan")
     with pytest.raises(PlanError, match=r"'q.weight' holds NaN or inf \(the block scale at \[1, 0\]"):
-        source.writer(dests)()
+        source.direct_writer(dests)()
 
 
 def test_fp8_deltas_bitwise_fewer_bytes(port):

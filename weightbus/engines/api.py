@@ -50,7 +50,7 @@ class WeightSource(Protocol):
       given, names a tensor to write tensor ``i`` into (direct mode);
     - optionally ``plain_tensors()``: every tensor in manifest order as a list (or None),
       so the engine packs with no per-tensor step (asked when an engine first wants it);
-    - optionally ``writer(dests)``: a function that writes every tensor, in manifest
+    - optionally ``direct_writer(dests)``: a function that writes every tensor, in manifest
       order, straight into ``dests`` and says whether it could (colocated direct mode
       hands it the rollout's own tensors: :class:`weightbus.quant.QuantizedSource`
       quantizes into them, with no copy of the model between).

@@ -584,12 +584,12 @@ class ColocatedEngine(BucketEngine):
 
     def _write_fused(self, manifest: Manifest, stream: Any) -> bool:
         """Direct mode: a source that can write its tensors into the rollout's itself
-        (``writer``: a :class:`~weightbus.quant.QuantizedSource` quantizes straight into
+        (``direct_writer``: a :class:`~weightbus.quant.QuantizedSource` quantizes straight into
         the rollout's fp8 weights, with no fp8 copy of the model between) does so for every
         paired rollout rank; False where it cannot, and the engine copies as usual. The
         writers hold the rollout's tensors: kept per source and manifest, dropped with the
         group (so a rollout's memory is never held past it)."""
-        make = getattr(stream.source, "writer", None)
+        make = getattr(stream.source, "direct_writer", None)
         if make is None or not self._targets:
             return False
         known = self._writers

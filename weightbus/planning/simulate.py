@@ -659,7 +659,7 @@ def simulate(c: Cluster, lay: Layout, manifest: Manifest, backend: str, *, bucke
         payloads = sum(m.nbytes for m in manifest.metas if m.dtype.itemsize == 1)
         if backend == "colocated" and lay.trainers == 1 and trainer_dtype.itemsize == 2:
             # direct mode: the quantizer writes the rollout's payloads itself
-            # (QuantizedSource.writer): no fp8 copy of the model, and only the scales and the
+            # (QuantizedSource.direct_writer): no fp8 copy of the model, and only the scales and the
             # tensors served as they are copied after it
             parts["copy"] = u.copy_s(manifest.nbytes - payloads)
         else:

@@ -474,7 +474,7 @@ class QuantizedSource:
         self._last = (held, replay.out if replay is not None else None, whole)
         return whole
 
-    def writer(self, dests: Sequence[torch.Tensor]) -> Callable[[], bool]:
+    def direct_writer(self, dests: Sequence[torch.Tensor]) -> Callable[[], bool]:
         """A function that writes every tensor this source sends, in its manifest's order,
         straight into ``dests`` (one per manifest entry, of its dtype and shape: a
         colocated rollout's own fp8 weights, their scales and its other tensors), with no
@@ -495,12 +495,13 @@ class QuantizedSource:
         caller fails the update."""
         metas = self.manifest.metas
         if len(dests) != len(metas):
-            raise PlanError(f"QuantizedSource.writer: {len(dests)} destinations for {len(metas)} tensors")
+            raise PlanError(f"QuantizedSource.direct_writer: {len(dests)} destinations for "
+                            f"{len(metas)} tensors")
         for m, d in zip(metas, dests, strict=True):
             if not isinstance(d, torch.Tensor) or d.dtype != m.dtype or tuple(d.shape) != m.shape:
                 got = f"{str(d.dtype).removeprefix('torch.')}{list(d.shape)}" \
                     if isinstance(d, torch.Tensor) else type(d).__name__
-                raise PlanError(f"QuantizedSource.writer: the destination of {m.describe()} is {got}")
+                raise PlanError(f"QuantizedSource.direct_writer: the destination of {m.describe()} is {got}")
         return _Writer(self, list(dests))
 
     def _quantized(self, named: Iterator[tuple[str, torch.Tensor | None]]
@@ -572,7 +573,7 @@ class QuantizedSource:
 
 
 class _Writer:
-    """:meth:`QuantizedSource.writer`'s function, for one list of destinations. Its set-up,
+    """:meth:`QuantizedSource.direct_writer`'s function, for one list of destinations. Its set-up,
     made again only where the wrapped source's tensors moved: a kernel launch per block
     size and dtype whose payloads are the destinations (and whose scales go to a flat
     buffer of its own, looked at for NaN and inf at once before any is copied out), the
