@@ -462,7 +462,7 @@ class QuantizedSource:
             return None
         if isinstance(self.launches, LaunchCache):
             self.launches.prune()
-        if not bool(torch.stack([torch.isfinite(f).all() for f in flats]).all()):
+        if not _all_finite(flats):
             return None  # (the per-tensor path quantizes again and names the weight)
         last = self._last
         if last is not None and last[0] is held and replay is not None and last[1] is replay.out:
@@ -539,7 +539,7 @@ class QuantizedSource:
         grouped, flats = _quantize_fitting(todo, self.launches) if todo else ([], [])
         # a NaN or inf anywhere shows in its block's scale: a group's scales are checked at
         # once (one sync), and tensor by tensor only to name the culprit
-        suspect = bool(flats) and not bool(torch.stack([torch.isfinite(f).all() for f in flats]).all())
+        suspect = bool(flats) and not _all_finite(flats)
         done = iter(grouped)
         scale_names = self._scale_names
         for name, t, fmt, kernel in pending:
@@ -644,14 +644,19 @@ class _Writer:
             fmt.quantize(t.detach(), q, scale)
             if not bool(torch.isfinite(scale).all()):
                 _non_finite(self.names[o], fmt, scale)
-        if self.launches and not bool(torch.stack([torch.isfinite(launch.scale_flat).all()
-                                                   for launch, _ in self.launches]).all()):
+        if self.launches and not _all_finite([launch.scale_flat for launch, _ in self.launches]):
             for launch, names in self.launches:  # (only to name the weight)
                 for name, scale in zip(names, launch.scales, strict=True):
                     if not bool(torch.isfinite(scale).all()):
                         _non_finite(name, Fp8Format("block", launch.block), scale)
         if self.copies is not None:
             self.copies.run()
+
+
+def _all_finite(flats: list[torch.Tensor]) -> bool:
+    """Whether every scale in these flat buffers is finite: one look (one synchronization)
+    for a whole group's scales; a NaN or inf weight shows in its block's scale."""
+    return bool(torch.stack([torch.isfinite(f).all() for f in flats]).all())
 
 
 def _non_finite(name: str, fmt: Fp8Format, scale: torch.Tensor) -> None:

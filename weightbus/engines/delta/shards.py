@@ -496,14 +496,11 @@ def _land(engine: Any, slot: torch.Tensor, b: ShardBucket, numbers: _Numbering, 
     or, ``dense`` (a full update, or a bucket whose records would not fit it), copied; a
     dense bucket in a delta update moves its pieces' running digests by what it wrote."""
     if dense:
-        first = numbers.got_first[b.index]
+        first, last = numbers.got_first[b.index], numbers.got_first[b.index] + len(b.pieces)
+        before = digests(pieces.flat[first:last]) if moved is not None else None
+        _copies(engine, slot, b, numbers, pieces).run(None)
         if moved is not None:
-            targets = pieces.flat[first:first + len(b.pieces)]
-            before = digests(targets)
-            _copies(engine, slot, b, numbers, pieces).run(None)
-            moved[first:first + len(b.pieces)] += digests(targets) - before
-        else:
-            _copies(engine, slot, b, numbers, pieces).run(None)
+            moved[first:last] += digests(pieces.flat[first:last]) - before
         return 0
     return _apply(slot, b.used, pieces.targets, numbers.got, False, moved)
 
