@@ -5,12 +5,17 @@ after a warm-up, in each process, for a stress preset (many small tensors) or a 
     python benchmarks/profile_update.py --backend colocated --tensors 20000
     python benchmarks/profile_update.py --backend colocated --direct --preset 30b-a3b --layers 24  (GPU)
     python benchmarks/profile_update.py --backend colocated --preset 30b-a3b --layers 24 --timeline  (GPU)
+    python benchmarks/profile_update.py --backend colocated --direct --preset 30b-a3b --layers 24 --phases 5
 
 Prints the top functions by own time on the trainer and the rollout (CPU machines:
 gloo / shared memory; the same code runs on a GPU). With ``--timeline`` (GPU), a second
 warm update runs under torch's profiler instead: each side's GPU time (its kernels and
 copies, as a union of intervals), the span from its first to its last, and its top kernels,
-which shows how much of an update the GPU is busy and whose work it is.
+which shows how much of an update the GPU is busy and whose work it is. With ``--phases``,
+``--iters`` warm updates run with the engine's steps timed on both sides on one clock (the
+host's monotonic clock, which both processes share): when each side entered and left each
+step, as offsets from the trainer's start, medians over the updates; that is where an
+update's wall time goes between the two processes, waits included.
 """
 
 from __future__ import annotations
@@ -59,8 +64,64 @@ def _timeline(update) -> str:
     return "\n".join(lines)
 
 
+#: the engine steps --phases times, in the order an update runs them (those an engine lacks
+#: are left out); generators are not among them (a call would time only their creation)
+_STEPS = ("_header_flag", "_exchange_header", "_open_receive", "_before_bytes", "_transfer",
+          "_write_fused", "_held_tensors", "_direct_copies", "_finish", "_direct_batch")
+
+
+def _traced(engine, marks: list) -> None:
+    """Time each of ``_STEPS`` on ``engine`` (instance attributes over its methods), and
+    every CopyList.run, into ``marks`` as (step, entered, left)."""
+    from weightbus.packing import buffers
+
+    def wrap(fn, name):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((name, t, time.perf_counter()))
+        return timed
+    for name in _STEPS:
+        fn = getattr(engine, name, None)
+        if fn is not None:
+            setattr(engine, name, wrap(fn, name))
+    if not getattr(buffers.CopyList.run, "_traced", False):
+        run = buffers.CopyList.run
+
+        def copy_run(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return run(self, *a, **k)
+            finally:
+                marks.append(("CopyList.run", t, time.perf_counter()))
+        copy_run._traced = True
+        buffers.CopyList.run = copy_run
+
+
+def _phases_table(per_rank: list[list[list[tuple[str, float, float]]]]) -> str:
+    """Medians over updates of each side's steps, as offsets (ms) from the trainer's start."""
+    import statistics
+    lines = []
+    for rank, updates in enumerate(per_rank):
+        rows: dict[str, list[tuple[float, float]]] = {}
+        for u, marks in enumerate(updates):
+            t0 = per_rank[0][u][0][1]  # the trainer's "update" mark opens each update
+            for name, a, b in marks:
+                rows.setdefault(name, []).append(((a - t0) * 1e3, (b - t0) * 1e3))
+        lines.append(f"=== {'trainer' if rank == 0 else 'rollout'}: step, entered, left, took (ms from "
+                     f"the trainer's start; medians of {len(updates)} updates)")
+        for name, spans in rows.items():
+            a = statistics.median(s[0] for s in spans)
+            b = statistics.median(s[1] for s in spans)
+            took = statistics.median(s[1] - s[0] for s in spans)
+            lines.append(f"  {name:<18} {a:8.2f} {b:8.2f} {took:8.2f}  x{len(spans) // len(updates)}")
+    return "\n".join(lines)
+
+
 def worker(rank: int, backend: str, preset: str, layers: int | None, direct: bool, port: int,
-           top: int, timeline: bool = False) -> str:
+           top: int, timeline: bool = False, phases: int = 0) -> str:
     trainer = rank == 0
     rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
     shapes = presets.shapes(preset, layers)
@@ -89,6 +150,20 @@ def worker(rank: int, backend: str, preset: str, layers: int | None, direct: boo
         rdv.all_gather(None)
         update()
     rdv.all_gather(None)
+    if phases:
+        marks: list[tuple[str, float, float]] = []
+        _traced(engine, marks)
+        updates = []
+        for _ in range(phases):
+            rdv.all_gather(None)
+            marks.clear()
+            t = time.perf_counter()
+            update()
+            marks.insert(0, ("update", t, time.perf_counter()))
+            updates.append(list(marks))
+        every = rdv.all_gather(updates)
+        engine.finalize(destroy_group=True)
+        return _phases_table(every) if trainer else ""
     if timeline and gpu:
         text = _timeline(update)
         engine.finalize(destroy_group=True)
@@ -115,6 +190,8 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true", help="colocated: direct mode (GPU)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", action="store_true", help="GPU: torch's profiler, not cProfile")
+    ap.add_argument("--phases", type=int, default=0, metavar="N",
+                    help="N warm updates with each engine step timed on both sides, not cProfile")
     a = ap.parse_args()
     preset = a.preset or presets.stress(a.tensors, a.tensor_bytes)
     import socket
@@ -122,9 +199,10 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    args = (a.backend, preset, a.layers, a.direct, port, a.top, a.timeline)
+    args = (a.backend, preset, a.layers, a.direct, port, a.top, a.timeline, a.phases)
     for text in spawn(worker, 2, args, timeout=600):
-        print(text)
+        if text:
+            print(text)
     del store
 
 

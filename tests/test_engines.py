@@ -243,3 +243,33 @@ def test_an_idle_nixl_engine_leaves_the_cpu_alone():
     finally:
         engine.finalize(destroy_group=True)
     assert used < 0.5, f"an idle nixl engine used {used:.2f} CPU-s in 2 s"
+
+
+def test_a_sink_taking_in_place_batches_again_still_names_what_is_missing():
+    """Engines that write in place hand the same batch object at every update, and a sink
+    checks it once: the whole model in one batch is then taken without a look at each name;
+    a batch that lacks a tensor, repeats one, or brings one the model lacks is named at
+    every update, not only the first."""
+    from weightbus.errors import SinkError
+    model = {f"layers.{i}.w": torch.zeros(2) for i in range(3000)}
+    every = list(model.items())
+    lacks = every[:-1]
+    repeats = every[:-1] + [every[0]]  # as many names as the model, one of them twice
+
+    class Stream:
+        def __init__(self, *batches):
+            self._batches = batches
+
+        async def batches(self):
+            for b in self._batches:
+                yield b
+
+    sink = ModuleSink(model)
+    for _ in range(2):
+        report = asyncio.run(sink.load(Stream(every)))
+        assert report.ok and report.loaded == 3000 and report.bytes == 3000 * 8
+        for bad in (lacks, repeats):
+            with pytest.raises(SinkError, match="missing: layers.2999.w"):
+                asyncio.run(sink.load(Stream(bad)))
+        with pytest.raises(SinkError, match="unexpected: extra"):
+            asyncio.run(sink.load(Stream(every, [("extra", torch.zeros(2))])))

@@ -201,12 +201,103 @@ def direct_moved_worker(rank: int, port: int):
     return out
 
 
+def _middle_update_failed(trainer: list, rollout: list, *words: str) -> None:
+    """Of three updates, the first and last landed bitwise on both sides, the weights
+    changing; the middle one failed on both, each saying ``words``."""
+    assert trainer[0] == rollout[0] and trainer[2] == rollout[2] and trainer[0] != trainer[2]
+    for side in (trainer[1], rollout[1]):
+        assert isinstance(side, str) and all(w in side for w in words), side
+
+
 @needs_gpu
 def test_colocated_direct_refuses_destinations_that_moved(port):
     trainer, rollout = spawn(direct_moved_worker, 2, (port,), timeout=300)
-    assert trainer[0] == rollout[0] and trainer[2] == rollout[2] and trainer[0] != trainer[2]
-    for side in (trainer[1], rollout[1]):
-        assert isinstance(side, str) and "moved since" in side and "nothing was written" in side, side
+    _middle_update_failed(trainer, rollout, "moved since", "nothing was written")
+
+
+def _direct_pair(rank: int, port: int, timeout: float):
+    """A colocated pair on GPU 0 in direct mode (the rollout's tensors ``_targets``), with
+    the trainer's "written" event shared: (device, rendezvous, engine, the rollout's tensors)."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=120)
+    engine = CheckpointEngineRegistry.new("colocated", device=device, timeout=timeout,
+                                          role="trainer" if rank == 0 else "rollout")
+    target = _targets(device)
+    if rank == 1:
+        engine.set_destinations(target)
+    connect(engine, rdv, 1, 1)
+    assert engine._direct and engine._written_event is not None
+    return device, rdv, engine, target
+
+
+def direct_checked_worker(rank: int, port: int):
+    """Direct mode, the outcome agreed while the trainer's writes run: a rollout whose
+    ``on_complete`` checks what landed, and a trainer whose writes queue behind ~50 ms of GPU
+    work. The rollout returns, and its check runs, only after the writes ran (it sees every
+    tensor bitwise); a check that fails fails the update on both ranks, naming it; the next
+    one lands."""
+    device, rdv, engine, target = _direct_pair(rank, port, timeout=60)
+    out = []
+    for k in range(1, 4):
+        rdv.all_gather(None)
+        try:
+            if rank == 0:
+                torch.cuda._sleep(100_000_000)  # (~50 ms of GPU time ahead of the writes)
+                out.append(_send(engine, k, device))
+                continue
+            seen: dict[str, str] = {}
+
+            def check(k=k, seen=seen):
+                seen.update({n: digest(t.cpu()) for n, t in target.items()})
+                if k == 2:
+                    raise RuntimeError("the rollout's own check refused it")
+            for _ in engine.receive_weights_sync(on_complete=check):
+                pass
+            out.append(seen)
+        except Exception as e:  # noqa: BLE001
+            out.append(str(e))
+    engine.finalize(destroy_group=True)
+    return out
+
+
+@needs_gpu
+def test_colocated_direct_rollout_checks_what_landed(port):
+    trainer, rollout = spawn(direct_checked_worker, 2, (port,), timeout=300)
+    _middle_update_failed(trainer, rollout, "refused it", "rollout rank")
+
+
+def direct_writer_lost_worker(rank: int, port: int):
+    """Direct mode: the trainer is SIGKILLed while its writes wait behind ~20 s of GPU work,
+    after the outcome was agreed: the rollout, waiting for those writes, raises within its
+    deadline naming what it waited for, and claims no version."""
+    import signal
+    import threading
+    import time
+    device, rdv, engine, target = _direct_pair(rank, port, timeout=8)
+    pids = rdv.all_gather(os.getpid())
+    if rank == 0:
+        _send(engine, 1, device)
+        rdv.all_gather(None)
+        torch.cuda._sleep(40_000_000_000)  # (~20 s of GPU time: killed long before)
+        _send(engine, 2, device)
+        return "not killed"
+    asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+    rdv.all_gather(None)
+    threading.Timer(2.0, os.kill, (pids[0], signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        asyncio.run(ModuleSink(target).load(engine.receive_weights()))
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e), "seconds": time.monotonic() - t0, "version": engine.version}
+
+
+@needs_gpu
+def test_colocated_direct_trainer_lost_while_writing(port):
+    _, rollout = spawn(direct_writer_lost_worker, 2, (port,), timeout=120, allow_fail=frozenset({0}))
+    assert rollout["error"] and "trainer's writes" in rollout["error"], rollout
+    assert rollout["seconds"] < 8 * 2 + 5 and rollout["version"] is None, rollout
 
 
 def _mutate_some(w: dict[str, torch.Tensor], fraction: float, seed: int) -> None:

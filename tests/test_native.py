@@ -45,6 +45,23 @@ def test_the_pointers_are_data_ptr_s(built):
     assert native.data_ptrs(tuple(ts)).tolist() == got.tolist()
 
 
+@pytest.mark.parametrize("extension", [True, False])
+def test_same_items_is_identity_in_order(built, extension, monkeypatch):
+    """What a copy table asks before it copies from sources it tabled: the very same
+    objects, in the same order (an equal tensor elsewhere is not the same)."""
+    if not extension:
+        monkeypatch.setattr(native._extension, "module", None)
+    ts = _tensors(2 * native.NATIVE_POINTERS_MIN)
+    assert native.same_items(ts, list(ts)) and native.same_items(tuple(ts), ts)
+    other = list(ts)
+    other[777] = ts[777].clone()
+    assert not native.same_items(ts, other)
+    assert not native.same_items(ts, ts[:-1]) and not native.same_items(ts[:-1], ts)
+    other = list(ts)
+    other[3], other[4] = other[4], other[3]
+    assert not native.same_items(ts, other)
+
+
 def test_memory_given_anew_is_seen(built):
     ts = _tensors(native.NATIVE_POINTERS_MIN)
     before = native.data_ptrs(ts)

@@ -20,6 +20,9 @@ from torch import nn
 from weightbus.errors import SinkError
 
 _NBYTES = operator.attrgetter("nbytes")
+#: in a sink's ``seen``: a batch of exactly the model's tensors, each once, arrived (so none is
+#: missing), said without putting its thousands of names into the set at every update
+_EVERY = object()
 #: id(batch) -> (batch, its names, its tensors, their bytes), for batches of tensors some
 #: model holds (written in place): engines hand the same list objects at every update, so
 #: this is worked out once per process, whichever sink loads them (a sink is often made per
@@ -95,7 +98,7 @@ class ModuleSink:
         # nothing per tensor here: a sink is often made per update (``ModuleSink(model).load(
         # engine.receive_weights())``), and a model of thousands of tensors would pay for it
         # every time; what needs a look at every tensor is worked out when first needed
-        self._in_place_batches: dict[int, tuple[list]] = {}
+        self._in_place_batches: dict[int, tuple[list, bool]] = {}  # id -> (batch, names all targets?)
 
     @cached_property
     def _tied(self) -> dict[str, str]:
@@ -110,7 +113,7 @@ class ModuleSink:
                 tied[k] = first.setdefault(key, k)
         return tied
 
-    def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[str]) -> None:
+    def _load_one(self, name: str, t: torch.Tensor, report: LoadReport, seen: set[Any]) -> None:
         key = self.name_map(name) if self.name_map is not None else name
         if key is None:
             return
@@ -134,10 +137,10 @@ class ModuleSink:
         report.loaded += 1
         report.bytes += t.numel() * t.element_size()
 
-    def _close(self, report: LoadReport, seen: set[str], in_place_bytes: int) -> LoadReport:
+    def _close(self, report: LoadReport, seen: set[Any], in_place_bytes: int) -> LoadReport:
         report.bytes += in_place_bytes
         # ``seen`` holds only names of the model: as many as it has means none is missing
-        if len(seen) < len(self.targets):
+        if _EVERY not in seen and len(seen) < len(self.targets):
             tied = self._tied
             got = {tied.get(k, k) for k in seen}
             report.missing = [k for k in self.targets if k not in seen and tied.get(k, k) not in got]
@@ -149,7 +152,7 @@ class ModuleSink:
         return report
 
     def _load_batch(self, batch: list[tuple[str, torch.Tensor]], report: LoadReport,
-                    seen: set[str]) -> int:
+                    seen: set[Any]) -> int:
         """A bucket's worth; returns the bytes of its tensors the engine wrote in place (the
         model's own tensors, as with destinations or direct mode: nothing to copy). The
         check that they are is two C-level passes over the batch, not a Python step per
@@ -166,8 +169,12 @@ class ModuleSink:
                 if done is None:
                     if len(self._in_place_batches) >= 65536:  # fresh lists every update: start over
                         self._in_place_batches.clear()
-                    self._in_place_batches[id(batch)] = (batch,)  # (keeps the list, and its id)
-                seen.update(names)
+                    every = len(names) == len(self.targets) and set(names) == self.targets.keys()
+                    done = self._in_place_batches[id(batch)] = (batch, every)  # (keeps the list, and its id)
+                if done[1]:
+                    seen.add(_EVERY)
+                else:
+                    seen.update(names)
                 report.loaded += len(names)
                 return nbytes
         in_place = 0

@@ -67,6 +67,9 @@ _DONE = object()
 _POLL_S = 50e-6  # how often a deadline-bounded wait for the GPU looks
 #: direct mode: wire bytes per multi-tensor write (sources held until written, at most this)
 _DIRECT_GROUP_BYTES = 256 << 20
+#: direct mode, the header's word from each rank (the max of them is agreed): a rollout rank
+#: that checks what landed before the outcome (``on_complete``), one whose tensors moved
+_SAID_CHECKS, _SAID_MOVED = 1, 2
 
 
 @CheckpointEngineRegistry.register("naive")
@@ -108,6 +111,12 @@ class ColocatedEngine(BucketEngine):
         self._peer_events: list[list[torch.cuda.Event]] = []  # the peers' events, per peer, per slot
         self._opened: dict[bytes, torch.cuda.Event] = {}  # (an event handle is opened once a process)
         self._trailer_stream: torch.cuda.Stream | None = None
+        # direct mode on a GPU: the trainer records this event after queueing its writes and
+        # its paired rollout ranks poll it (so the outcome is agreed while the copies run)
+        self._written_event: torch.cuda.Event | None = None
+        self._copying = False  # trainer: writes queued that its stream has not finished
+        self._checks = False  # rollout: this receive has an on_complete (said in the header)
+        self._staged: tuple[Any, int, Callable[..., None]] | None = None  # see _ahead_of_header
 
     # --- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -143,7 +152,12 @@ class ColocatedEngine(BucketEngine):
     def _await(self, event: torch.cuda.Event, phase: str) -> None:
         """Until a peer's event has run, within the update's deadline."""
         deadline = time.monotonic() + self.timeout
-        while not event.query():
+        while True:
+            try:
+                if event.query():
+                    return
+            except Exception as e:  # noqa: BLE001 - (a peer whose process ended with it queued)
+                raise self._fail(phase, e) from e
             if time.monotonic() > deadline:
                 raise self._fail(phase, TimeoutError(f"its GPU copies did not finish within "
                                                      f"{self.timeout:.0f}s"))
@@ -222,8 +236,9 @@ class ColocatedEngine(BucketEngine):
         members: list[list[int]] = [[r for r in range(R) if r % T == i] for i in range(T)]
         endpoint = lambda m: {k: m[k] for k in ("addr", "port", "token", "slots")}  # noqa: E731
         direct = all("direct" in metadata[T + r] for r in range(R))
-        # a GPU ring: every rank's per-slot events, or none used (a side on the CPU has none)
-        events = not direct and all(metadata[x].get("events") for x in range(T + R))
+        # on a GPU every rank's events (a ring's per slot; direct mode's "written"), or none used
+        # (a side on the CPU has none)
+        events = all(metadata[x].get("events") for x in range(T + R))
         keys = ("rank", "world_size", "trainer_world_size", "master", "pair_rank", "pair_size", "peer",
                 "direct", "events")
         trainer: dict[str, list] = {k: [] for k in keys}
@@ -307,6 +322,10 @@ class ColocatedEngine(BucketEngine):
             if self.device.type == "cuda":  # no bucket ever moves: give the slots back
                 self._slots, self._ipc = [], []
                 self._forget_views()
+            if events is not None and self.device.type == "cuda":
+                theirs = self._open_events(events[0]) if self.role == "rollout" and events else []
+                self._written_event = self._own_events[0] if self.role == "trainer" and self._own_events \
+                    else (theirs[0] if theirs else None)
             return
         self._peer_events = [self._open_events(h) for h in events or []]  # (a GPU ring)
         if any(len(e) != len(self._slots) for e in self._peer_events):
@@ -335,6 +354,7 @@ class ColocatedEngine(BucketEngine):
         self._writers: tuple[Manifest, Any, list[Callable[[], bool]]] | None = None  # see _write_fused
         self._misfit_of: tuple[Manifest, str | None] | None = None
         self._works, self._ready, self._acked = [], {}, 0
+        self._written_event, self._copying, self._staged = None, False, None
 
     def finalize(self, destroy_group: bool = False) -> None:
         if destroy_group:
@@ -475,6 +495,22 @@ class ColocatedEngine(BucketEngine):
         problems += [f"never sent: {n!r}" for n in targets if n not in names]
         return "; ".join(problems[:5]) or None
 
+    def _ahead_of_header(self, stream: Any) -> None:
+        """Direct mode, trainer: the copy's look at the sources (their addresses, that they fit
+        the rollout's tensors), taken while the header waits for the rollout ranks' word; the
+        copies then start as soon as it is agreed. Anything amiss is left to the usual path,
+        after the header, which reports it."""
+        self._staged = None
+        if not self._direct or not self._targets or getattr(stream.source, "direct_writer", None):
+            return
+        try:
+            held = self._held_tensors(stream)
+            if held is not None and self._direct_misfit(stream.manifest) is None:
+                self._staged = (stream, stream.manifest.fingerprint,
+                                self._direct_copies(stream.manifest).stage(held * len(self._targets)))
+        except Exception:  # noqa: BLE001 - said after the header, by the path that meets it again
+            self._staged = None
+
     def _transfer(self, manifest: Manifest, stream: Any, version: int,
                   error: str | None) -> tuple[str | None, int, int]:
         if not self._direct:
@@ -482,27 +518,30 @@ class ColocatedEngine(BucketEngine):
         why = self._direct_misfit(manifest)
         if why and error is None:
             error = f"{self.where()}: direct mode: {why}"
-        held = None
+        staged, self._staged = self._staged, None
+        launch: Callable[..., None] | None = None
         written = False
         if stream is not None and error is None:
             try:
-                written = self._write_fused(manifest, stream)
-                held = None if written else self._held_tensors(stream)
+                if staged is not None and staged[0] is stream and staged[1] == manifest.fingerprint:
+                    launch = staged[2]
+                else:
+                    written = self._write_fused(manifest, stream)
+                    held = None if written else self._held_tensors(stream)
+                    if held is not None:
+                        # every tensor at hand: one multi-tensor cast-copy into every paired
+                        # rollout rank's tensors, over a destination list made once per manifest
+                        launch = self._direct_copies(manifest).stage(held * len(self._targets))
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = f"{self.where()}: {e}"
-        if written:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
-        elif held is not None and error is None:
-            # every tensor at hand: one multi-tensor cast-copy into every paired rollout
-            # rank's tensors, over a destination list made once per manifest
+        if launch is not None and error is None:
             try:
-                self._direct_copies(manifest).run(held * len(self._targets),
-                                                  lambda k: manifest[k % len(manifest)].describe())
+                launch(lambda k: manifest[k % len(manifest)].describe())
             except Exception as e:  # noqa: BLE001
                 error = f"{self.where()}: {e}"
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+            self._queued()
+        elif written:
+            self._queued()
         elif stream is not None:
             # every trainer iterates (sharded sources gather collectively); only a rank
             # with no error writes
@@ -541,9 +580,35 @@ class ColocatedEngine(BucketEngine):
                     buffers.copy_group(dsts, srcs, lambda k: manifest[where[k]].describe())
                 except Exception as e:  # noqa: BLE001
                     error = f"{self.where()}: {e}"
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+            self._queued()
         return error, manifest.nbytes * len(self._targets), 0
+
+    def _queued(self) -> None:
+        """Direct mode, trainer, its writes queued: the paired rollout ranks see them done by
+        the event recorded now (the outcome is agreed meanwhile); without one (a CPU peer),
+        they are done before the outcome is agreed."""
+        if self.device.type != "cuda":
+            return
+        if self._written_event is not None:
+            self._written_event.record(torch.cuda.current_stream(self.device))
+            self._copying = True
+        else:
+            torch.cuda.current_stream(self.device).synchronize()  # written before 'done'
+
+    def _finish_settled(self, version: int, error: str | None) -> None:
+        """Direct mode, trainer: the outcome, agreed while its writes run; then, where a rollout
+        rank checks what landed (``on_complete``), a second agreement with its verdict; the
+        writes are done before it returns."""
+        if not (self._direct and self.role == "trainer"):
+            return super()._finish_settled(version, error)
+        try:
+            super()._finish_settled(version, error)
+            if self._header_said == _SAID_CHECKS:
+                super()._finish_settled(version, None)
+        finally:
+            if self._copying:
+                self._copying = False
+                torch.cuda.current_stream(self.device).synchronize()
 
     def _pointers(self) -> np.ndarray:
         return native.data_ptrs(list((self._dest or {}).values()))
@@ -554,11 +619,12 @@ class ColocatedEngine(BucketEngine):
         that frees and re-allocates them) would have the trainer write into memory that is
         no longer its tensors': each rollout rank says so in the header, so every rank knows
         before a byte moves, and the update fails everywhere, naming the rank, until the
-        group is formed again (``prepare()``)."""
+        group is formed again (``prepare()``). A rollout rank that checks what landed
+        (``on_complete``) says so too: the outcome is then agreed once more, after its check."""
         if not self._direct:
             return None
         self._moved = self.role == "rollout" and not np.array_equal(self._pointers(), self._exported)
-        return int(self._moved)
+        return _SAID_MOVED if self._moved else _SAID_CHECKS if self._checks else 0
 
     def _before_bytes(self, version: int, error: str | None) -> str | None:
         if not self._direct or error is not None:
@@ -567,7 +633,7 @@ class ColocatedEngine(BucketEngine):
             return (f"{self.where()}: its destination tensors moved since prepare() exported them; "
                     f"nothing was written: form the group again (prepare() and init_process_group on "
                     f"every rank) after re-allocating them")
-        if self._header_said:
+        if self._header_said >= _SAID_MOVED:
             return f"{self.where()}: a rollout rank's destinations moved since they were exported; " \
                    f"nothing was written"
         return error
@@ -577,7 +643,7 @@ class ColocatedEngine(BucketEngine):
         it can): worked out once per manifest and membership (a look at every tensor, which
         an MoE model of thousands would otherwise pay at every update)."""
         known = self._misfit_of
-        if known is None or known[0] is not manifest:
+        if known is None or known[0] != manifest:  # (the same tensors: equal fingerprints)
             why = next((w for w in (self._misfit(manifest, t) for t in self._targets) if w), None)
             known = self._misfit_of = (manifest, why)
         return known[1]
@@ -601,7 +667,7 @@ class ColocatedEngine(BucketEngine):
     def _direct_copies(self, manifest: Manifest) -> buffers.CopyList:
         """Direct mode: every paired rollout rank's tensors, in manifest order (made once
         per manifest and membership)."""
-        if self._direct_for is not manifest or self._direct_list is None:
+        if self._direct_for != manifest or self._direct_list is None:
             self._direct_list = buffers.CopyList([targets[m.name] for targets in self._targets
                                                   for m in manifest])
             self._direct_for = manifest
@@ -615,14 +681,24 @@ class ColocatedEngine(BucketEngine):
 
     def _receive_direct_update(self, expected: Manifest | None, validate: Validator | None,
                                on_complete: Callable[[], None] | None, batched: bool) -> Any:
-        start, version, manifest, error = self._open_receive(expected, validate)
+        self._checks = on_complete is not None
+        try:
+            start, version, manifest, error = self._open_receive(expected, validate)
+        finally:
+            self._checks = False
         self.version = None  # the trainer writes into our tensors from the header on
-        if on_complete is not None and error is None:  # the bytes are in place already
+        self._finish(version, error)  # the trainers' writes are queued, or every rank raises
+        if self._header_said == _SAID_CHECKS:  # a check of what landed, agreed once more
+            error = None
             try:
-                on_complete()
+                self._await_written()
+                if on_complete is not None:
+                    on_complete()
             except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
                 error = f"{self.where()}: version {version} failed its check after loading: {e}"
-        self._finish(version, error)  # the trainer has written everything, or every rank raises
+            self._finish(version, error)
+        else:
+            self._await_written()
         self.version = version
         self.last_stats = UpdateStats(version, len(manifest), manifest.nbytes, 0,
                                       time.perf_counter() - start, 0)
@@ -631,6 +707,12 @@ class ColocatedEngine(BucketEngine):
             yield batch
         else:
             yield from batch
+
+    def _await_written(self) -> None:
+        """Direct mode, rollout: until the paired trainer's writes into this rank's tensors
+        have run (its event, recorded before the outcome was agreed), within the deadline."""
+        if self._written_event is not None:
+            self._await(self._written_event, "waiting for the trainer's writes into this rank's tensors")
 
     def _direct_batch(self, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
         """Direct mode, rollout side: every tensor, written in place, as one list (made once

@@ -280,7 +280,7 @@ class TabledCopy:
         fits its destination."""
         src = native.data_ptrs(srcs)
         last = self._srcs
-        if last is None or not np.array_equal(src, self._src) or not all(map(operator.is_, srcs, last)):
+        if last is None or not np.array_equal(src, self._src) or not native.same_items(srcs, last):
             self._srcs = None
             if not self._fit(srcs, src):
                 return False
@@ -355,10 +355,15 @@ class CopyList:
         self.dsts = dsts
         self.srcs = srcs
         self.large = [i for i, d in enumerate(dsts) if d.numel() * d.element_size() >= LARGE_COPY]
+        #: the small ones' sources out of a full list, in one C call
+        self._pick: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list
         if self.large:
             large = set(self.large)
             self.small: list[int] | None = [i for i in range(len(dsts)) if i not in large]
             self.small_dsts = [dsts[i] for i in self.small]
+            get = operator.itemgetter(*self.small) if len(self.small) > 1 else None
+            self._pick = (lambda s, get=get: list(get(s))) if get is not None else \
+                (lambda s, i=self.small: [s[k] for k in i])
         else:
             self.small, self.small_dsts = None, dsts
         lib = native.copy_library() if _HostCopy.usable(self.small_dsts) else None
@@ -370,28 +375,39 @@ class CopyList:
             and self._host.table(self._fixed_small)
 
     def _small_srcs(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return srcs if self.small is None else [srcs[i] for i in self.small]
+        return srcs if self.small is None else self._pick(srcs)
 
     def run(self, srcs: list[torch.Tensor] | None = None, names: Callable[[int], str] | None = None) -> None:
+        self.stage(srcs)(names)
+
+    def stage(self, srcs: list[torch.Tensor] | None = None) -> Callable[[Callable[[int], str] | None], None]:
+        """:meth:`run` in two steps: the look at the sources (their addresses, whether they fit
+        the table) now, and the copies when the returned function is called. A caller that may
+        look at its sources before it may write (before the receivers said they are ready)
+        does the first while it waits. The sources must stay where they are in between."""
         small = self.small
         # (a list with fixed sources has them tabled for its host copies: no others)
         assert (srcs is None) == (self.srcs is not None), "fixed sources, or sources per call, not both"
         if srcs is None:  # the fixed sources
             srcs, small_srcs = self.srcs, self._fixed_small
             done = self._fixed_host
-            if done:
-                self._host.copy()  # type: ignore[union-attr]
         else:
             small_srcs = self._small_srcs(srcs)
-            done = self._host is not None and self._host.run(small_srcs)
-        if not done:
-            copy_group(self.small_dsts, small_srcs,  # type: ignore[arg-type]
-                       (lambda k: names(small[k])) if names is not None and small is not None else names)
-        for i in self.large:
-            try:
-                self.dsts[i].copy_(srcs[i], non_blocking=True)
-            except Exception as e:
-                raise PlanError(f"tensor {names(i) if names else i}: {e}") from e
+            done = self._host is not None and self._host.table(small_srcs)
+        assert srcs is not None
+
+        def launch(names: Callable[[int], str] | None = None) -> None:
+            if done:
+                self._host.copy()  # type: ignore[union-attr]
+            else:
+                copy_group(self.small_dsts, small_srcs,  # type: ignore[arg-type]
+                           (lambda k: names(small[k])) if names is not None and small is not None else names)
+            for i in self.large:
+                try:
+                    self.dsts[i].copy_(srcs[i], non_blocking=True)
+                except Exception as e:
+                    raise PlanError(f"tensor {names(i) if names else i}: {e}") from e
+        return launch
 
 
 class _PackProgram:

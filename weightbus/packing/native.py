@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
+import operator
 import os
 import platform
 import subprocess
@@ -220,6 +221,15 @@ def data_ptrs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     for k in np.flatnonzero(out == 0).tolist():  # (empty tensors, and wrappers: rare but for DTensors)
         out[k] = _pointer_of(tensors[k])
     return out
+
+
+def same_items(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects in the same order (a C-level
+    pass over long lists where the extension is loaded)."""
+    if len(a) >= NATIVE_POINTERS_MIN and (lib := _extension.module) is not None \
+            and hasattr(lib, "same_items"):
+        return bool(lib.same_items(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _pointer_of(t: torch.Tensor) -> int:

@@ -38,6 +38,34 @@ static bool pointer_of(PyObject* obj, Py_ssize_t i, int64_t* out, int depth) {
   return true;
 }
 
+// What pointer_of reads of items[i] is three objects that point to each other (the Python
+// object, its TensorImpl, its StorageImpl): for tensors scattered over the heap (a model's,
+// allocated among everything else) each is a cache miss, one after the other. They are
+// prefetched a few items ahead, each stage reading only what an earlier one fetched, so
+// the misses of several items overlap (9,435 tensors scattered among other objects, caches
+// evicted, on a 2-core CI host: 0.58-0.82 ms without, 0.41 ms with; 16 ahead is no better).
+static constexpr Py_ssize_t kAhead = 8;
+
+static inline c10::TensorImpl* impl_of(PyObject* obj) {
+  return THPVariable_Check(obj) ? THPVariable_Unpack(obj).unsafeGetTensorImpl() : nullptr;
+}
+
+static inline void prefetch_lines(const void* p, int lines) {
+  for (int k = 0; k < lines; k++) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
+}
+
+static inline void prefetch_ahead(PyObject** items, Py_ssize_t i, Py_ssize_t n) {
+  if (i + 3 * kAhead < n) prefetch_lines(items[i + 3 * kAhead], 2);
+  if (i + 2 * kAhead < n) {
+    if (c10::TensorImpl* impl = impl_of(items[i + 2 * kAhead])) prefetch_lines(impl, 4);
+  }
+  if (i + kAhead < n) {
+    if (c10::TensorImpl* impl = impl_of(items[i + kAhead])) {
+      if (c10::StorageImpl* st = impl->unsafe_storage().unsafeGetStorageImpl()) prefetch_lines(st, 1);
+    }
+  }
+}
+
 // data_ptrs(tensors, out): writes item i's address (pointer_of) to ((int64_t*)out)[i];
 // TypeError, naming the item, for one that is not a tensor.
 static PyObject* data_ptrs(PyObject*, PyObject* args) {
@@ -50,6 +78,7 @@ static PyObject* data_ptrs(PyObject*, PyObject* args) {
   PyObject** items = PySequence_Fast_ITEMS(fast);
   int64_t* dst = reinterpret_cast<int64_t*>(out);
   for (Py_ssize_t i = 0; i < n; i++) {
+    prefetch_ahead(items, i, n);
     if (!pointer_of(items[i], i, dst + i, 0)) {
       Py_DECREF(fast);
       return nullptr;
@@ -59,8 +88,31 @@ static PyObject* data_ptrs(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// same_items(a, b): whether two sequences hold the very same objects, in order (a pass over
+// two arrays of pointers; from Python, map(operator.is_, ...) costs ~25 ns an item).
+static PyObject* same_items(PyObject*, PyObject* args) {
+  PyObject *a, *b;
+  if (!PyArg_ParseTuple(args, "OO", &a, &b)) return nullptr;
+  PyObject* fa = PySequence_Fast(a, "same_items: a sequence");
+  if (fa == nullptr) return nullptr;
+  PyObject* fb = PySequence_Fast(b, "same_items: a sequence");
+  if (fb == nullptr) {
+    Py_DECREF(fa);
+    return nullptr;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fa);
+  bool same = n == PySequence_Fast_GET_SIZE(fb);
+  PyObject** ia = PySequence_Fast_ITEMS(fa);
+  PyObject** ib = PySequence_Fast_ITEMS(fb);
+  for (Py_ssize_t i = 0; same && i < n; i++) same = ia[i] == ib[i];
+  Py_DECREF(fa);
+  Py_DECREF(fb);
+  return PyBool_FromLong(same);
+}
+
 static PyMethodDef methods[] = {
     {"data_ptrs", data_ptrs, METH_VARARGS, "data_ptrs(tensors, out_address)"},
+    {"same_items", same_items, METH_VARARGS, "same_items(a, b)"},
     {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wb_pointers", nullptr, -1, methods};
 

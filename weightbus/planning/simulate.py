@@ -68,6 +68,11 @@ class Calibration:
     hbm_eff: float = 0.88
     #: the multi-tensor copy of tensors under 16 MiB, x the bulk copy's time (bf16, fp32 src)
     small_copy_x: tuple[float, float] = (1.65, 1.25)
+    #: colocated direct mode, a same-dtype copy: one Triton launch over a chunk table of every
+    #: tensor, x the bulk copy's time (30b-a3b/24 on an H200: 15.8 ms against 15.0, round
+    #: eight); the ring's packs use the same kernel, but its constants (the copy above, the
+    #: per-bucket stall) still fit its rows measured before its slots signalled with events
+    direct_copy_x: float = 1.05
     #: the block-fp8 kernel (84% of an H200's HBM) and the host's cost per quantized tensor
     quant_eff: float = 0.84
     quant_tensor_s: float = 0.52e-6
@@ -361,11 +366,13 @@ class _Update:
         """The share of the bytes in tensors under ``below`` bytes."""
         return sum(m.nbytes for m in self.manifest.metas if m.nbytes < below) / max(1, self.wire)
 
-    def copy_s(self, nbytes: float, read_x: float = 1.0, small: float = 0.0) -> float:
+    def copy_s(self, nbytes: float, read_x: float = 1.0, small: float = 0.0,
+               small_x: float | None = None) -> float:
         """A cast-copy on one GPU of ``nbytes`` written (``read_x`` x as many read), a share
-        ``small`` of them in tensors under 16 MiB (the multi-tensor copy's rate)."""
+        ``small`` of them in tensors under 16 MiB (the multi-tensor copy's rate, or ``small_x``
+        of the bulk copy's)."""
         t = nbytes * (1 + read_x) / (self.c.hbm_gbps * GB * self.cal.hbm_eff)
-        return t * (1 - small) + t * small * self.small_x
+        return t * (1 - small) + t * small * (self.small_x if small_x is None else small_x)
 
     def pipeline(self, buckets: list[float]) -> None:
         """A bucket pipeline's ends, which overlap with nothing: the first bucket's pack and
@@ -597,7 +604,9 @@ def _colocated(u: _Update, backend: str) -> None:
     else:
         read_x = u.read_x
     if not ring:
-        u.parts["copy"] = 0.0 if T > 1 else u.copy_s(mine, read_x, small)  # (gathered in place)
+        # (gathered in place with several trainers; one trainer's same-dtype copy is one kernel)
+        u.parts["copy"] = 0.0 if T > 1 else u.copy_s(mine, read_x, small,
+                                                     cal.direct_copy_x if read_x == 1.0 else None)
         return
     u.buckets = math.ceil(mine / u.bucket_size)
     u.parts["copy"] = u.copy_s(mine, read_x, small) + u.copy_s(mine, 1.0, small)
