@@ -120,14 +120,7 @@ class Cluster:
             cls=ray.remote(cls or verl_workers.Rollout), rollout_config=rollout_config,
             model_config=model_config), device_name="cpu")
         self.groups.append(wg)
-        per = rollout_config.tensor_model_parallel_size
-        replicas = []
-        for i in range(wg.world_size // per):
-            replica = verl_workers.Replica(replica_rank=first_replica + i, config=rollout_config,
-                                           model_config=model_config)
-            replica.workers = wg.workers[per * i: per * (i + 1)]
-            replicas.append(replica)
-        return wg, replicas
+        return wg, replicas_of(wg, model_config, rollout_config, first_replica)
 
     def close(self) -> None:
         for wg in self.groups:
@@ -140,6 +133,19 @@ class Cluster:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def replicas_of(wg, model_config, rollout_config, first_replica: int = 0) -> list:
+    """verl's replicas over the rollout ranks of ``wg``, in order, of the config's TP size."""
+    import verl_workers
+    per = rollout_config.tensor_model_parallel_size
+    replicas = []
+    for i in range(wg.world_size // per):
+        replica = verl_workers.Replica(replica_rank=first_replica + i, config=rollout_config,
+                                       model_config=model_config)
+        replica.workers = wg.workers[per * i: per * (i + 1)]
+        replicas.append(replica)
+    return replicas
+
+
 @pytest.fixture
 def verl(cluster):
     made = Cluster()
@@ -147,17 +153,46 @@ def verl(cluster):
     made.close()
 
 
-def _tokens(actor_wg, *rollout_wgs) -> str | None:
-    """The group every rank holds (one token for all, or an AssertionError)."""
-    held = {*actor_wg.group_token(), *(t for wg in rollout_wgs for t in wg.group_token())}
+@pytest.fixture(scope="module")
+def kept(cluster):
+    """2 FSDP2 trainers and 2 rollout ranks kept for the module: their start was most of a
+    test's time (~40 s of this 2-core host's CPU), and each test builds the checkpoint engines
+    it needs on them, as verl builds them (:func:`on_kept`)."""
+    made = Cluster()
+    ce, model, rollout = _configs(cluster, "weightbus.gloo")
+    trainer_pool, rollout_pool = made.pools_of(2, 2)
+    made.actor_wg = made.trainers(trainer_pool, model, ce)
+    made.rollout_wg, _ = made.rollouts(rollout_pool, model, rollout)
+    yield made
+    made.close()
+
+
+def on_kept(kept, path: str, backend: str, options: dict | None = None):
+    """The kept workers with fresh checkpoint engines for ``backend``: (verl's checkpoint
+    engine config, the trainers, the rollout ranks, a replica per rollout rank), the rollout
+    ranks having received nothing yet."""
+    ce, model, rollout = _configs(path, backend, options)
+    kept.actor_wg.use_engine(ce)
+    kept.rollout_wg.use_engine(rollout)
+    return ce, kept.actor_wg, kept.rollout_wg, replicas_of(kept.rollout_wg, model, rollout)
+
+
+def _tokens(actor_wg, *rollout_wgs, ranks: list[int] | None = None) -> str | None:
+    """The group every rank holds (the rollout groups' ``ranks``, all by default): one token
+    for all, or an AssertionError."""
+    held = {*actor_wg.group_token(), *(t for wg in rollout_wgs for r, t in enumerate(wg.group_token())
+                                       if ranks is None or r in ranks)}
     assert len(held) == 1, f"the ranks hold different groups: {held}"
     return held.pop()
 
 
-def _check(actor_wg, rollout_wgs) -> None:
+def _check(actor_wg, rollout_wgs, ranks: list[int] | None = None) -> None:
+    """The rollout groups' ``ranks`` (all by default) hold the trainers' weights, bitwise."""
     want = actor_wg.digests()[0]
     for wg in rollout_wgs:
         for rank, got in enumerate(wg.digests()):
+            if ranks is not None and rank not in ranks:
+                continue
             bad = [n for n in want if got.get(n) != want[n]]
             assert not bad and set(got) == set(want), f"rollout rank {rank}: {bad[:3]} differ"
 
@@ -170,18 +205,22 @@ def _check(actor_wg, rollout_wgs) -> None:
     ("weightbus.shm", {"cache_name": f"verl-test-{os.getpid()}"}, 1, 2),
     ("weightbus.nixl", {"wire_dtype": "bfloat16"}, 2, 2),
 ], ids=["gloo", "colocated", "shm", "nixl"])
-def test_verl_manager_updates_bitwise(cluster, verl, backend, options, trainers, rollouts):
+def test_verl_manager_updates_bitwise(cluster, verl, request, backend, options, trainers, rollouts):
     """verl's manager, verl's FSDP2 trainers and verl's rollout workers over a weightbus
     backend: three steps that each move every weight, bitwise on every rollout rank, the
     step reaching the rollout as the update's version, and verl's metrics dict back."""
     if backend == "weightbus.nixl":
         pytest.importorskip("nixl._api", reason="nixl is not installed (make test-verl installs it)")
-    if "cache_name" in options:  # (the cache's directory goes with the test's workers)
-        verl.paths.append(f"/dev/shm/wbcache_{options['cache_name']}")
-    ce, model, rollout = _configs(cluster, backend, options)
-    trainer_pool, rollout_pool = verl.pools_of(trainers, rollouts)
-    actor_wg = verl.trainers(trainer_pool, model, ce)
-    rollout_wg, replicas = verl.rollouts(rollout_pool, model, rollout)
+    if (trainers, rollouts) == (2, 2):  # (the workers kept for the module, engines of their own)
+        kept = request.getfixturevalue("kept")
+        ce, actor_wg, rollout_wg, replicas = on_kept(kept, cluster, backend, options)
+    else:
+        if "cache_name" in options:  # (the cache's directory goes with the test's workers)
+            verl.paths.append(f"/dev/shm/wbcache_{options['cache_name']}")
+        ce, model, rollout = _configs(cluster, backend, options)
+        trainer_pool, rollout_pool = verl.pools_of(trainers, rollouts)
+        actor_wg = verl.trainers(trainer_pool, model, ce)
+        rollout_wg, replicas = verl.rollouts(rollout_pool, model, rollout)
     manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=replicas)
     sizes, tokens = [], []
     for step in range(3):
@@ -202,39 +241,37 @@ def test_verl_manager_updates_bitwise(cluster, verl, backend, options, trainers,
     assert sizes == [params * per] * 3
 
 
-def test_verl_elastic_replicas_join_and_leave(cluster, verl):
+def test_verl_elastic_replicas_join_and_leave(cluster, kept):
     """Replicas added and removed through verl's own manager (add_replicas /
     remove_replicas): the next update forms the group anew, and whoever is in it then
-    holds the trainer's weights bitwise; a removed replica keeps its last version."""
-    ce, model, rollout = _configs(cluster, "weightbus.gloo")
-    trainer_pool, first_pool, second_pool = verl.pools_of(2, 1, 1)
-    actor_wg = verl.trainers(trainer_pool, model, ce)
-    first_wg, first = verl.rollouts(first_pool, model, rollout)
-    manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=list(first))
+    holds the trainer's weights bitwise; a removed replica keeps its last version. (The
+    kept rollout ranks are two replicas of one rank each: rank 0 serves from the start,
+    rank 1 joins at the second update, rank 0 leaves before the third.)"""
+    ce, actor_wg, rollout_wg, (first, second) = on_kept(kept, cluster, "weightbus.gloo")
+    manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=[first])
     actor_wg.step(0)
     manager.update_weights(global_steps=1)
-    _check(actor_wg, [first_wg])
-    formed = [_tokens(actor_wg, first_wg)]
+    _check(actor_wg, [rollout_wg], ranks=[0])
+    formed = [_tokens(actor_wg, rollout_wg, ranks=[0])]
 
-    second_wg, second = verl.rollouts(second_pool, model, rollout, first_replica=1)
-    manager.add_replicas(second)
+    manager.add_replicas([second])
     actor_wg.step(1)
     manager.update_weights(global_steps=2)
-    _check(actor_wg, [first_wg, second_wg])
-    formed.append(_tokens(actor_wg, first_wg, second_wg))
+    _check(actor_wg, [rollout_wg])
+    formed.append(_tokens(actor_wg, rollout_wg))
 
-    manager.remove_replicas(first)
+    manager.remove_replicas([first])
     actor_wg.step(2)
     manager.update_weights(global_steps=3)
-    _check(actor_wg, [second_wg])
-    formed.append(_tokens(actor_wg, second_wg))
+    _check(actor_wg, [rollout_wg], ranks=[1])
+    formed.append(_tokens(actor_wg, rollout_wg, ranks=[1]))
     # (each membership formed its own group: nobody kept one the others had left)
     assert len(set(formed)) == 3, formed
-    assert first_wg.engine_version() == [2] and second_wg.engine_version() == [3]
-    assert first_wg.steps_received() == [[1, 2]] and second_wg.steps_received() == [[2, 3]]
+    assert rollout_wg.engine_version() == [2, 3]
+    assert rollout_wg.steps_received() == [[1, 2], [2, 3]]
 
 
-def test_verl_refused_update_fails_everywhere_then_the_next_one_lands(cluster, verl):
+def test_verl_refused_update_fails_everywhere_then_the_next_one_lands(cluster, kept):
     """A rollout that gives up half way through an update (its server adapter raises):
     the update fails on every rank at once (not at the engine's deadline), verl's manager
     raises an error that says which rollout gave up, and the next update through the same
@@ -243,10 +280,7 @@ def test_verl_refused_update_fails_everywhere_then_the_next_one_lands(cluster, v
     Which error verl's manager raises is a race it decides (one ``ray.get`` over the
     trainers' and the rollouts' calls raises the first error to arrive): the rollout's
     own, or the trainers' failed update, which names the rank whose adapter stopped."""
-    ce, model, rollout = _configs(cluster, "weightbus.gloo", {"timeout": 30})
-    trainer_pool, rollout_pool = verl.pools_of(2, 2)
-    actor_wg = verl.trainers(trainer_pool, model, ce)
-    rollout_wg, replicas = verl.rollouts(rollout_pool, model, rollout)
+    ce, actor_wg, rollout_wg, replicas = on_kept(kept, cluster, "weightbus.gloo", {"timeout": 30})
     manager = CheckpointEngineManager(config=ce, actor_wg=actor_wg, replicas=replicas)
     manager.update_weights(global_steps=1)
     ray.get(replicas[1].workers[0].refuse.remote(2))

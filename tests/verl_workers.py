@@ -47,6 +47,12 @@ class Trainer(TrainingWorker):
             torch.distributed.init_process_group("gloo", rank=int(os.environ["RANK"]),
                                                  world_size=int(os.environ["WORLD_SIZE"]))
         super().__init__(config)
+        self.use_engine(checkpoint_engine_config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_engine(self, checkpoint_engine_config: CheckpointEngineConfig) -> None:
+        """The checkpoint engine ``checkpoint_engine_config`` names, built as verl's actor
+        worker builds it (a test builds its own on workers kept for the module)."""
         backend = checkpoint_engine_config.backend
         import_external_libs(checkpoint_engine_config.custom_backend_module or None)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
@@ -132,6 +138,19 @@ class Rollout(CheckpointEngineWorker):
     def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig, *args, **kwargs) -> None:
         adapter = ModelRollout(rollout_config, model_config)
         super().__init__(rollout_config, model_config, adapter, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_engine(self, rollout_config: RolloutConfig) -> None:
+        """The checkpoint engine ``rollout_config`` names, built as verl's
+        ``CheckpointEngineWorker.__init__`` builds it, and a server adapter that has received
+        nothing yet (a test builds its own on workers kept for the module)."""
+        ce = rollout_config.checkpoint_engine
+        import_external_libs(ce.custom_backend_module or None)
+        self.rollout_config = rollout_config
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            ce.backend, bucket_size=ce.update_weights_bucket_megabytes << 20,
+            **ce.engine_kwargs.get(ce.backend, {}))
+        self.server_adapter.received, self.server_adapter.refuse = [], None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def digests(self) -> dict[str, str]:
