@@ -135,7 +135,10 @@ def _refused(argv, capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2, (argv, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
-    assert took < 1.0, (argv, took)
+    # (alone a refusal takes well under 0.1 s; the bound catches work done before the check,
+    # such as importing vLLM or building a model, with room for a loaded CI host, where one
+    # took 1.1 s once)
+    assert took < 3.0, (argv, took)
     return err
 
 

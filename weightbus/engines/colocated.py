@@ -332,7 +332,12 @@ class ColocatedEngine(BucketEngine):
             raise PlanError(f"{self.where()}: a peer has {[len(e) for e in self._peer_events]} slot "
                             f"events for {len(self._slots)} slots")
         if pair_size > 1:
-            store = comm.connect_store(peer["addr"], peer["port"], self.timeout, self.where())
+            # (the pair meets at its trainer's store: with one trainer that is the control
+            # group's, already connected; a second handshake with it is a second chance for a
+            # loaded host to miss the deadline)
+            same = (peer["addr"], peer["port"]) == (master["addr"], master["port"])
+            store = self._store if same else comm.connect_store(peer["addr"], peer["port"], self.timeout,
+                                                                 self.where())
             self._pair = comm.new_group("gloo", store, f"{prefix}/pair", pair_rank, pair_size,
                                         self.timeout, None, self.where())
 
