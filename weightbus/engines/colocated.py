@@ -323,9 +323,10 @@ class ColocatedEngine(BucketEngine):
                 self._slots, self._ipc = [], []
                 self._forget_views()
             if events is not None and self.device.type == "cuda":
-                theirs = self._open_events(events[0]) if self.role == "rollout" and events else []
-                self._written_event = self._own_events[0] if self.role == "trainer" and self._own_events \
-                    else (theirs[0] if theirs else None)
+                # the trainer's first event: recorded by it, polled by its rollout ranks
+                made = self._own_events if self.role == "trainer" else \
+                    self._open_events(events[0]) if events else []
+                self._written_event = made[0] if made else None
             return
         self._peer_events = [self._open_events(h) for h in events or []]  # (a GPU ring)
         if any(len(e) != len(self._slots) for e in self._peer_events):
@@ -509,12 +510,20 @@ class ColocatedEngine(BucketEngine):
         if not self._direct or not self._targets or getattr(stream.source, "direct_writer", None):
             return
         try:
-            held = self._held_tensors(stream)
-            if held is not None and self._direct_misfit(stream.manifest) is None:
-                self._staged = (stream, stream.manifest.fingerprint,
-                                self._direct_copies(stream.manifest).stage(held * len(self._targets)))
+            launch = self._stage_copies(stream, stream.manifest) \
+                if self._direct_misfit(stream.manifest) is None else None
+            if launch is not None:
+                self._staged = (stream, stream.manifest.fingerprint, launch)
         except Exception:  # noqa: BLE001 - said after the header, by the path that meets it again
             self._staged = None
+
+    def _stage_copies(self, stream: Any, manifest: Manifest) -> Callable[..., None] | None:
+        """Direct mode, trainer, every tensor at hand: one multi-tensor cast-copy into every
+        paired rollout rank's tensors, over a destination list made once per manifest, its
+        look at the sources taken now (the launch, returned, when called); None where the
+        source does not hold its tensors."""
+        held = self._held_tensors(stream)
+        return None if held is None else self._direct_copies(manifest).stage(held * len(self._targets))
 
     def _transfer(self, manifest: Manifest, stream: Any, version: int,
                   error: str | None) -> tuple[str | None, int, int]:
@@ -532,11 +541,7 @@ class ColocatedEngine(BucketEngine):
                     launch = staged[2]
                 else:
                     written = self._write_fused(manifest, stream)
-                    held = None if written else self._held_tensors(stream)
-                    if held is not None:
-                        # every tensor at hand: one multi-tensor cast-copy into every paired
-                        # rollout rank's tensors, over a destination list made once per manifest
-                        launch = self._direct_copies(manifest).stage(held * len(self._targets))
+                    launch = None if written else self._stage_copies(stream, manifest)
             except Exception as e:  # noqa: BLE001 - reported to every rank
                 error = f"{self.where()}: {e}"
         if launch is not None and error is None:

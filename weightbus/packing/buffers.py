@@ -344,6 +344,16 @@ def _device_copy(dsts: list[torch.Tensor]) -> Any:
     return copy_triton.DeviceCopy(dsts) if copy_triton.DeviceCopy.usable(dsts) else None
 
 
+def picker(index: list[int]) -> Callable[[list[Any]], list[Any]]:
+    """A function that takes the items at ``index`` out of a list, in that order, in one C
+    call (``operator.itemgetter``, which returns a bare item for one index and needs one)."""
+    if not index:
+        return lambda items: []
+    if len(index) == 1:
+        return lambda items, i=index[0]: [items[i]]
+    return lambda items, get=operator.itemgetter(*index): list(get(items))
+
+
 class CopyList:
     """A fixed list of destinations (views made once), filled from sources given per call,
     or from ``srcs`` given once (fixed sources: :meth:`run` with none): the small ones in
@@ -355,15 +365,12 @@ class CopyList:
         self.dsts = dsts
         self.srcs = srcs
         self.large = [i for i, d in enumerate(dsts) if d.numel() * d.element_size() >= LARGE_COPY]
-        #: the small ones' sources out of a full list, in one C call
-        self._pick: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list
+        self._pick: Callable[[list[Any]], list[Any]] = list  # the small ones' sources of a full list
         if self.large:
             large = set(self.large)
             self.small: list[int] | None = [i for i in range(len(dsts)) if i not in large]
             self.small_dsts = [dsts[i] for i in self.small]
-            get = operator.itemgetter(*self.small) if len(self.small) > 1 else None
-            self._pick = (lambda s, get=get: list(get(s))) if get is not None else \
-                (lambda s, i=self.small: [s[k] for k in i])
+            self._pick = picker(self.small)
         else:
             self.small, self.small_dsts = None, dsts
         lib = native.copy_library() if _HostCopy.usable(self.small_dsts) else None
@@ -431,12 +438,8 @@ class _PackProgram:
             else:
                 self.pieces.append((pos, view, c.src_offset // m.itemsize, c.nbytes // m.itemsize))
         self.whole = CopyList(whole_dsts)
-        index = [b.chunks[p].index for p in self.whole_pos]
-        # the whole tensors' sources out of a manifest-ordered list, in one C call
-        self.take: Callable[[list[Any]], list[Any]] = (
-            (lambda held: []) if not index else
-            (lambda held, i=index[0]: [held[i]]) if len(index) == 1 else
-            (lambda held, get=operator.itemgetter(*index): list(get(held))))
+        # the whole tensors' sources out of a manifest-ordered list
+        self.take = picker([b.chunks[p].index for p in self.whole_pos])
 
 
 class Packer:
