@@ -72,16 +72,56 @@ def test_each_pair_is_what_copy_gives_bit_for_bit(offset):
         assert torch.equal(_bits(d), _bits(s)), f"pair {k}: {s.dtype}{list(s.shape)}"
 
 
-def test_a_cast_is_left_to_torch():
-    """float32 -> bfloat16 (a float32 trainer's wire) goes through torch's multi-tensor copy:
-    refused by the table at once, every call, and still copied by the list."""
-    src = [torch.randn(100, device=DEVICE), torch.randn(7, device=DEVICE)]
-    dsts = [torch.zeros(100, dtype=torch.bfloat16, device=DEVICE), torch.zeros(7, dtype=torch.bfloat16,
-                                                                              device=DEVICE)]
-    dc = DeviceCopy(dsts)
-    assert dc.run(src) is False and dc.run(src) is False
-    buffers.CopyList(dsts).run(src)
-    assert all(torch.equal(d, s.to(torch.bfloat16)) for s, d in zip(src, dsts, strict=True))
+def _float32_edges(n: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 values whose bfloat16 rounding is at stake: random bits (NaNs of every payload,
+    subnormals), halfway cases of both parities, values that round up to infinity."""
+    x = torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x[1::7] = (x[1::7] & ~0xFFFF) | 0x8000  # exactly halfway: ties to even
+    x[2::11] = 0x7F7FFFFF  # the largest float32: rounds to infinity
+    x[3::13] = 0x7F800000  # infinity
+    x[4::17] = -0x80000000  # -0.0
+    x[5::19] = 0x7F800001  # a signalling NaN
+    return x.view(torch.float32)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_float32_onto_bfloat16_rounds_as_torch(offset):
+    """The one cast tabled (a float32 trainer's weights onto a bfloat16 wire): each value as
+    torch's cast gives it, bit for bit; a NaN a quiet NaN of its sign. Lengths that cut chunks
+    and 16-byte units at every edge, sources and destinations aligned and not, one launch."""
+    gen = torch.Generator().manual_seed(7 + offset)
+    chunk = CHUNK_BYTES // 4
+    lengths = (1, 3, 7, 8, 9, 4095, chunk - 1, chunk, chunk + 1, 2 * chunk + 7)
+    specs = [_float32_edges(n, gen) for n in lengths]
+    srcs = []
+    for x in specs:
+        base = torch.zeros(x.numel() + 1, device=DEVICE)
+        srcs.append(base[offset:offset + x.numel()])
+        srcs[-1].copy_(x.to(DEVICE))
+    dsts = [torch.zeros(x.numel() + offset + 8, dtype=torch.bfloat16, device=DEVICE)
+            [offset:offset + x.numel()] for x in specs]
+    run = _copier(dsts)
+    run(srcs)
+    for k, (s, d) in enumerate(zip(srcs, dsts, strict=True)):
+        nan = torch.isnan(s)
+        want = s.to(torch.bfloat16)
+        assert torch.equal(_bits(d[~nan]), _bits(want[~nan])), f"pair {k} ({s.numel()} elements)"
+        got = d[nan].view(torch.int16)
+        assert torch.isnan(d[nan]).all() and torch.equal(got < 0, s[nan].view(torch.int32) < 0), f"pair {k}"
+        assert ((got & 0x40) != 0).all(), f"pair {k}: a NaN came out signalling"
+
+
+def test_other_casts_are_left_to_torch():
+    """A cast other than float32 -> bfloat16 goes through torch's multi-tensor copy: refused
+    by the table at once, every call, and still copied by the list."""
+    for src_dtype, dst_dtype in ((torch.float64, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                 (torch.float32, torch.float16)):
+        src = [torch.randn(100, device=DEVICE).to(src_dtype), torch.randn(7, device=DEVICE).to(src_dtype)]
+        dsts = [torch.zeros(n, dtype=dst_dtype, device=DEVICE) for n in (100, 7)]
+        dc = DeviceCopy(dsts)
+        assert dc.run(src) is False and dc.run(src) is False
+        buffers.CopyList(dsts).run(src)
+        assert all(torch.equal(d, s.to(dst_dtype)) for s, d in zip(src, dsts, strict=True))
 
 
 def test_sources_that_change_are_read_again():
@@ -110,7 +150,7 @@ def test_sources_that_do_not_fit_are_refused_before_a_byte_moves():
     dc = DeviceCopy(dsts)
     ok = [torch.ones(8, dtype=torch.bfloat16, device=DEVICE), torch.ones(4, device=DEVICE)]
     for bad in ([ok[0], torch.ones(5, device=DEVICE)],  # another shape
-                [ok[0], torch.ones(4, dtype=torch.float64, device=DEVICE)],  # a cast: left to torch
+                [ok[0], torch.ones(4, dtype=torch.float64, device=DEVICE)],  # a cast left to torch
                 [ok[0], torch.ones(8, device=DEVICE)[::2]]):  # not contiguous
         assert dc.run(bad) is False
         assert not dsts[0].any(), "a refused list wrote something"
