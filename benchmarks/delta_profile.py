@@ -6,6 +6,9 @@ encoding of every piece, and a receiver applying the records, on a preset's shap
 
 ``--split N``: the records made in N rounds, as an update in rounds sends them (each round
 packed and applied before the next is made, its arena reused); prints what the arenas hold.
+``--table``: the kernel calls worked out by the first delta update and replayed by the next
+(``sender.table_for``, as an engine does while its source's tensors stay where they are);
+without it every update walks the pieces.
 """
 
 import argparse
@@ -16,6 +19,8 @@ import time
 import torch
 
 from weightbus.engines import delta as dm
+from weightbus.engines.delta import receiver as dr
+from weightbus.engines.delta import sender as ds
 from weightbus.plan import Manifest, TensorMeta
 from weightbus.planning import presets
 
@@ -30,6 +35,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print where the Python time went")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--split", type=int, default=1, help="rounds an update is made in")
+    ap.add_argument("--table", action="store_true", help="replay the kernel calls (a DiffTable)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also time each GPU kernel by CUDA events around its launches")
     args = ap.parse_args()
@@ -83,21 +89,22 @@ def main() -> None:
         # (as an update sends them: a kernel call's records stay one Block)
         total = sum(w.numel() * 2 for w in weights)
         budget = None if args.split <= 1 else -(-total // args.split)
-        items = dm._records(pieces(), manifest, snaps, False, cap, budget)
+        table = ds.table_for(snaps, "pieces", flats) if args.table else None
+        items = ds._records(pieces(), manifest, snaps, False, cap, budget, table)
         n_recs = off = 0
         enc = pack = app = 0.0
         while True:
             t_a = time.perf_counter()
-            buckets, follows = dm._round(items, 1 << 62)  # (one bucket holding the round's records)
+            buckets, follows = ds._round(items, 1 << 62)  # (one bucket holding the round's records)
             recs = [it for b in buckets for it in b]
             sync()
             t_b = time.perf_counter()
             used = 8 + sum(r.size for r in recs)
             slot = torch.empty(used, dtype=torch.uint8, device=dev)
-            dm._fill(slot, recs)  # (one bucket holding the round's records, for the profile)
+            ds._fill(slot, recs)  # (one bucket holding the round's records, for the profile)
             sync()
             t_c = time.perf_counter()
-            dm._apply(slot, used, dest, manifest, False)
+            dr._apply(slot, used, dest, manifest, False)
             sync()
             t_d = time.perf_counter()
             enc, pack, app = enc + t_b - t_a, pack + t_c - t_b, app + t_d - t_c

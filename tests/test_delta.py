@@ -515,3 +515,70 @@ def test_whole_digests_on_cuda():
                for s in [(300, 7), (5,), (4099,), (1 << 20,), (0,)] for dt in DTYPES]
     want = torch.stack([drec._weighted_range(0, drec._bits(t.cpu()).long()) for t in tensors])
     assert torch.equal(dr.digests(tensors), want)
+
+
+@pytest.mark.parametrize("budget", [None, 2000], ids=["one-round", "rounds"])
+def test_a_table_replays_the_diff_of_the_same_pieces_and_only_of_them(budget, path):
+    """The kernel calls of a fixed list of pieces are worked out by one update and replayed
+    by the next ones (``ds.table_for``; the loop over pieces does not run: the pieces are
+    not even read), the pieces a cast (float32 source, bfloat16 wire) or a strided cut
+    copied again each time; a piece replaced by another tensor, or a tensor given new
+    memory under the same object, makes a new table. The weights change at every update;
+    every update lands bitwise. (The torch path makes no table: it has no kernel calls.)"""
+    from weightbus.packing import native
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(300, 7, generator=g).to(torch.bfloat16)
+    wide = torch.randn(64, 40, generator=g)  # (float32: cast onto the wire)
+    d = torch.randn(50, 8, generator=g).to(torch.bfloat16)
+    views = [a, torch.randn(5, generator=g).to(torch.bfloat16), wide, d[:, 2:5]]  # (the last strided)
+    manifest = Manifest(TensorMeta(f"t{i}", torch.bfloat16, tuple(v.shape)) for i, v in enumerate(views))
+    read = [0]
+
+    def pieces():
+        for i, v in enumerate(views):
+            read[0] += 1
+            yield i, 0, v
+
+    def deliver(made, full):
+        items = ds._read_digests(made)
+        recs = [x for it in items for x in (it.records() if isinstance(it, ds.Block) else [it])]
+        _deliver(recs, targets, manifest, full)
+
+    def update(full, table=None):
+        read[0] = 0
+        made = []
+        for r in ds._records(pieces(), manifest, snaps, full, 1 << 20, budget, table):
+            if r is None:  # (a round's records go before the next round reuses their arenas)
+                deliver(made, full)
+                made = []
+            else:
+                made.append(r)
+        deliver(made, full)
+        for i, (v, t) in enumerate(zip(views, targets, strict=True)):
+            assert torch.equal(_bits(t), _bits(v.to(torch.bfloat16).reshape(-1))), (i, full)
+
+    snaps = ds.Snapshots()
+    targets = [torch.zeros(v.numel(), dtype=torch.bfloat16) for v in views]
+    update(True)
+    tables = []
+    for step in range(1, 7):
+        for v in views:  # (2% of every piece, in place: the strided cut's through its parent)
+            rows = torch.randint(0, v.shape[0], (max(1, v.numel() // 50),), generator=g)
+            v[rows] += 1
+        if step == 3:
+            views[1] = views[1].clone()  # another tensor in the list
+        if step == 4:
+            a.data = a.data.clone()  # the same object, new memory
+        tables.append(ds.table_for(snaps, "t", list(views), native.data_ptrs(views)))
+        update(False, tables[-1])
+        if path != "torch":
+            assert bool(tables[-1].steps), step  # (every piece went to the kernels: tabled)
+            assert read[0] == (len(views) if step in (1, 3, 4) else 0), (step, read[0])
+    if path == "torch":
+        assert not any(t.steps for t in tables)
+    else:  # (made at 1, replayed at 2; made again at 3 and 4, replayed at 5 and 6)
+        assert [tables[k] is tables[k - 1] for k in range(1, 6)] == [True, False, False, True, True]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return drec._bits(t.contiguous())

@@ -169,6 +169,19 @@ def test_sharded_source_gathers_exactly(free_port):
     assert spawn(workers.sharded_source, 2, (free_port,), timeout=120) == [True, True]
 
 
+def test_delta_replays_its_kernel_calls_while_the_source_holds_the_same_tensors(port):
+    """A delta trainer with one ``ModuleSource(model)`` tables its kernel calls at its first
+    delta update and replays them while the module's tensors stay where they are (the loop
+    over pieces skipped); a weight given new memory, or a new parameter set on the
+    module, is followed and tabled again. Every update lands bitwise."""
+    trainer, rollout = spawn(workers.delta_replayed, 2, (port,), timeout=120)
+    assert [t["digest"] for t in trainer] == [r["digest"] for r in rollout]
+    assert [r["version"] for r in rollout] == list(range(1, 9))
+    assert [t["delta"] for t in trainer] == [False] + [True] * 7
+    # made at 2, replayed at 3; new memory at 4 and a new parameter at 6: made again
+    assert [t["replayed"] for t in trainer] == [False, False, True, False, True, False, True, True]
+
+
 @pytest.mark.parametrize("T,R,lr,backend", [
     pytest.param(1, 2, 1e-6, "gloo", id="1-2-lr1e-6"),
     pytest.param(1, 1, 1e-3, "gloo", id="1-1-lr1e-3-dense"),

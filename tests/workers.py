@@ -658,6 +658,54 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     return log
 
 
+def delta_replayed(rank: int, port: int):
+    """One trainer, one rollout, delta mode over gloo, one ``ModuleSource(model)`` for every
+    update (a bf16 model: its state dict's tensors are what the pieces are views of). The
+    weights change in place before every update (2% of every tensor); before update 4 one
+    weight is given new memory (``p.data = ...``), before update 6 a new ``nn.Parameter``
+    replaces another. Each update: the rollout's digest, and on the trainer whether the
+    kernel calls were replayed (the table of the last update used again)."""
+    from weightbus.engines.delta.encoding import _bits
+    torch.set_num_threads(1)
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if rank == 0 else "rollout", delta=True,
+                                          bucket_size=1 << 16, timeout=30)
+    torch.manual_seed(rank)  # (the rollout starts from other weights)
+    model = nn.Sequential(*[nn.Linear(40, 40) for _ in range(30)]).to(torch.bfloat16)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if rank == 1:
+        engine.set_destinations(dict(model.state_dict()))
+    connect(engine, rdv, 1, 1)
+    log = []
+    if rank == 0:
+        source = ModuleSource(model)
+        g = torch.Generator().manual_seed(1)
+        for k in range(1, 9):
+            for t in model.state_dict().values():  # (the live tensors: in place)
+                flat = _bits(t.view(-1))
+                idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+                flat[idx] += 1
+            if k == 4:
+                model[3].weight.data = model[3].weight.data.clone()  # new memory, same object
+                _bits(model[3].weight.data.view(-1))[:5] += 1
+            if k == 6:
+                model[7].bias = nn.Parameter(model[7].bias.detach() + 1, requires_grad=False)
+            before = engine._snapshots.tables.get("pieces")
+            rdv.all_gather(None)
+            stats = asyncio.run(engine.send_weights(source, version=k))
+            after = engine._snapshots.tables.get("pieces")
+            log.append({"digest": _state_digest(model.state_dict()), "delta": stats.delta,
+                        "replayed": after is not None and after is before and bool(after.steps)})
+    else:
+        for _ in range(1, 9):
+            rdv.all_gather(None)
+            asyncio.run(ModuleSink(model).load(engine.receive_weights()))
+            log.append({"digest": _state_digest(model.state_dict()), "version": engine.version})
+    engine.finalize(destroy_group=True)
+    return log
+
+
 def _state_digest(sd: dict) -> str:
     import hashlib
     h = hashlib.sha256()

@@ -170,6 +170,16 @@ class ModuleSource:
             return None
         return [_detached(t) for _, t in self._items]
 
+    def piece_owners(self) -> list[torch.Tensor] | None:
+        """For delta updates: the tensors :meth:`local_pieces` cuts every piece from as a
+        view (followed first, as every per-update entry point does), in manifest order; None
+        where a piece may be a copy made per update (a DTensor's gather or shard, a
+        parameter detached per update). An engine keys work it replays on them while they
+        are the very same tensors at the same addresses (a strided one's share is flattened
+        by a copy: it checks that they are contiguous)."""
+        self.plain_tensors()
+        return self._plain
+
     def _follow_once(self) -> None:
         if self._followed:
             self._followed = False

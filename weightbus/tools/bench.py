@@ -374,7 +374,8 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
             rdv, device, _profiled("weightbus", rdv.rank, weightbus) if it == cfg.iters else weightbus)
         peak = max(peak, peak_now)
         if delta is not None:
-            got["delta"], delta_peak = _timed_peak(rdv, device, delta)
+            got["delta"], delta_peak = _timed_peak(
+                rdv, device, _profiled("delta", rdv.rank, delta) if it == cfg.iters else delta)
             if it:  # (the warm-up round allocates the snapshots, counted apart)
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         for k, fn in more.items():

@@ -48,7 +48,7 @@ from weightbus.engines.delta.encoding import _MASK
 from weightbus.engines.delta.protocol import Engine, _agree
 from weightbus.engines.delta.receiver import _apply, _Drift, _Targets, digests
 from weightbus.engines.delta.receiver import _verify as verify_whole
-from weightbus.engines.delta.sender import Block, Record, _read_digests, _records, part_elements
+from weightbus.engines.delta.sender import Block, Record, _read_digests, _records, part_elements, table_for
 from weightbus.engines.delta.sender import _fill as fill_records
 from weightbus.engines.streams import Stream
 from weightbus.errors import PlanError, TransferFailed, WeightSyncError
@@ -180,7 +180,7 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     capacity = engine.bucket_size - TRAILER_BYTES
     if full:
         if snaps.fingerprint != key:
-            snaps.pieces.clear()  # (another plan's pieces)
+            snaps.clear()  # (another plan's pieces)
         keep = _Keep(engine, plan, numbers, snaps, capacity, held) if error is None else None
         error, wire, n = sharded.send(engine, manifest, stream if error is None else None, version, error,
                                       packed=keep, held=held)
@@ -234,16 +234,6 @@ def send(engine: Any, manifest: Manifest, stream: Stream | None, version: int,
     return error or down, wire, len(plan.sent_by(engine.rank_in_senders))
 
 
-def _sources(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBucket], held: Any
-             ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(piece number among this sender's, 0, the piece's view of its source) of every piece
-    this sender sends, bucket by bucket (cut once per plan, as the dense pack is)."""
-    for b in mine:
-        first = numbers.sent_first[b.index]
-        for j, view in enumerate(_cuts(engine, plan, b).sources(held)):
-            yield first + j, 0, view
-
-
 def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBucket], held: Any,
           snaps: Any, capacity: int) -> dict[int, list[Record | Block]]:
     """The records of every piece of ``mine`` (distinct buckets of one round), by bucket
@@ -253,8 +243,13 @@ def _diff(engine: Any, plan: ShardPlan, numbers: _Numbering, mine: list[ShardBuc
         first = numbers.sent_first[b.index]
         bucket_of[first:first + len(b.pieces)] = b.index
     out: dict[int, list[Record | Block]] = {}
-    items = _read_digests(list(_records(_sources(engine, plan, numbers, mine, held), numbers.sent, snaps,
-                                        False, capacity - 8)))
+    # the buckets' pieces (each bucket's list of views is the same object while its sources
+    # stay where they were): the kernel calls of the last update replayed where they are
+    views = [_cuts(engine, plan, b).sources(held) for b in mine]
+    table = table_for(snaps, tuple(b.index for b in mine), views)
+    pieces = ((numbers.sent_first[b.index] + j, 0, v) for b, vs in zip(mine, views, strict=True)
+              for j, v in enumerate(vs))
+    items = _read_digests(list(_records(pieces, numbers.sent, snaps, False, capacity - 8, table=table)))
     for it in items:
         if isinstance(it, Record):
             out.setdefault(int(bucket_of[it.head[0]]), []).append(it)
@@ -310,8 +305,8 @@ class _Keep:
                 part = flat[lo:lo + most]
                 snap = pieces.get((first + j, lo))
                 if snap is None or snap.numel() != part.numel() or snap.device != source.device:
-                    snap = pieces[(first + j, lo)] = torch.empty(part.numel(), dtype=m.dtype,
-                                                                 device=source.device)
+                    snap = self.snaps.keep((first + j, lo), torch.empty(part.numel(), dtype=m.dtype,
+                                                                        device=source.device))
                 snap.copy_(part)
 
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# A/B of delta updates on this host (CPU, gloo): the broadcast and sharded delta rows of
+# `weightbus bench` from several checkouts, alternating (older ones under _old/<commit>:
+# git archive <commit> weightbus | tar -x -C _old/<commit>), e.g.
+#   SIDES="a6b4cf3 new a6b4cf3 new a6b4cf3 new" bash benchmarks/ab_delta_cpu.sh
+# 20k: 20,000 tensors of 4 KiB (the walk over pieces shows); 06b: 0.6b, 2 layers (24 tensors).
+set -uo pipefail
+PY=${PY:-$PWD/.venv/bin/python}
+for row in ${ROWS:-20k 06b}; do
+  case $row in
+    20k) args="--scenario disaggregated --tensors 20000 --tensor-bytes 4096 --trainer-dtype bf16 --rollout-tp 2 --delta 0.02" ;;
+    06b) args="--scenario disaggregated --preset 0.6b --layers 2 --trainer-dtype bf16 --rollout-tp 2 --delta 0.02" ;;
+  esac
+  for side in ${SIDES:-old new old new}; do
+    dir=$PWD; [ "$side" = new ] || dir=$PWD/_old/$side
+    echo "== $row $side"
+    (cd "$dir" && PYTHONPATH=$dir timeout 300 "$PY" -m weightbus bench $args 2>&1 | grep -A4 "^scenario" | head -5)
+  done
+done
