@@ -15,6 +15,7 @@ args() { case $1 in
   cd30)  echo "--scenario colocated-direct --preset 30b-a3b --layers 24 --trainer-dtype bf16 --iters 5" ;;
   cd30f) echo "--scenario colocated-direct --preset 30b-a3b --layers 24 --trainer-dtype fp32 --iters 5" ;;
   c30)   echo "--scenario colocated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --iters 5" ;;
+  c30f)  echo "--scenario colocated --preset 30b-a3b --layers 24 --trainer-dtype fp32 --iters 5" ;;
   # the same into a rollout serving block fp8 (the trainer quantizes on the way)
   cd30q) echo "--scenario colocated-direct --preset 30b-a3b --layers 24 --trainer-dtype bf16 --fp8 --iters 5" ;;
   c30q)  echo "--scenario colocated --preset 30b-a3b --layers 24 --trainer-dtype bf16 --fp8 --iters 5" ;;

@@ -376,21 +376,8 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     sent: deque[_Batch] = deque()  # batches in the kernels
     groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
     in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()  # groups whose GPU diff runs
-    if table is not None and table.steps and not full:
-        for step in table.steps:  # (the calls of the same pieces, made before)
-            if step is None:  # (a round ends)
-                yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
-                yield None
-                snaps.reset()
-            else:
-                step[1].restage()
-                if step[0]:
-                    sent.append(step[1])
-                    for done in jobs.submit(_diff_batch, host, step[1], snaps.arenas):
-                        yield from _batch_records(sent.popleft(), done)
-                else:
-                    yield from _flush(step[1], snaps, in_flight)
-        yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
+    if table is not None and table.steps and not full:  # (the calls of the same pieces, made before)
+        yield from _replay(table, host, jobs, snaps)
         return
     steps = table.steps if table is not None and not full else None
     tabled = steps is not None  # (until a piece takes a path a replay would not repeat)
@@ -460,6 +447,29 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
         else:
             steps.clear()
     yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
+
+
+def _replay(table: DiffTable, host: Any, jobs: kernels.Jobs, snaps: Snapshots
+            ) -> Iterator[Record | Block | None]:
+    """``_records`` from a table: its kernel calls again, in order, its rounds where they were
+    (the parts that are copies made again first)."""
+    sent: deque[_Batch] = deque()
+    in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()
+    for step in table.steps:
+        if step is None:  # (a round ends)
+            yield from _drain(host, jobs, _Batch(), sent, {}, snaps, in_flight)
+            yield None
+            snaps.reset()
+            continue
+        on_host, batch = step
+        batch.restage()
+        if on_host:
+            sent.append(batch)
+            for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
+                yield from _batch_records(sent.popleft(), done)
+        else:
+            yield from _flush(batch, snaps, in_flight)
+    yield from _drain(host, jobs, _Batch(), sent, {}, snaps, in_flight)
 
 
 def _drain(host: Any, jobs: kernels.Jobs, batch: _Batch, sent: deque[_Batch],
