@@ -62,6 +62,30 @@ def test_same_items_is_identity_in_order(built, extension, monkeypatch):
     assert not native.same_items(ts, other)
 
 
+def test_layouts_are_the_address_and_what_else_a_view_depends_on(built, dtensors, monkeypatch):
+    """``native.layouts``: each tensor's address (as ``data_ptrs``) and a hash of its sizes,
+    strides, dtype and device, alike for the same metadata, different where any differs at
+    the same address; None for short lists or with the extension off (the caller's own pass)."""
+    ts = _tensors(2 * native.NATIVE_POINTERS_MIN) + dtensors
+    got = native.layouts(ts)
+    assert got.shape == (len(ts), 2) and got.dtype == np.int64
+    assert got[:, 0].tolist() == native.data_ptrs(ts).tolist()
+    assert np.array_equal(native.layouts(list(ts)), got)
+    base = torch.arange(4096, dtype=torch.float32)
+    same_address = [base.view(64, 64), base.view(64, 64).t(), base.view(32, 128), base.view(torch.int32),
+                    base.view(4096, 1), base[:4095], base.view(64, 64)]
+    again = native.layouts(ts[:len(ts) - len(same_address)] + same_address)[-len(same_address):]
+    assert len(set(again[:, 0].tolist())) == 1
+    assert len(set(again[:-1, 1].tolist())) == len(same_address) - 1  # every layout its own hash
+    assert again[0, 1] == again[-1, 1]  # (and the same layout the same: another object)
+    moved = list(ts)
+    moved[5].data = torch.randn(7)
+    assert (native.layouts(moved) != got).any(1).nonzero()[0].tolist() == [5]
+    assert native.layouts(ts[:10]) is None  # (short: the caller's pass)
+    monkeypatch.setenv("WEIGHTBUS_NATIVE_POINTERS", "0")
+    assert native.layouts(ts) is None
+
+
 def test_memory_given_anew_is_seen(built):
     ts = _tensors(native.NATIVE_POINTERS_MIN)
     before = native.data_ptrs(ts)

@@ -295,11 +295,13 @@ class _Pack:
     def sources(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's view of its source tensor (in the source's dtype)."""
         tensors = list(map(held.__getitem__, self.tensors))
-        seen = (native.data_ptrs(tensors),
-                list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
-                list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors)))
+        seen: Any = native.layouts(tensors)  # (addresses and a hash of the rest, in one pass)
+        if seen is None:
+            seen = (native.data_ptrs(tensors),
+                    list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
+                    list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors)))
         last = self._seen
-        if last is None or not np.array_equal(seen[0], last[0]) or seen[1:] != last[1:]:
+        if last is None or type(seen) is not type(last) or not _same_layouts(seen, last):
             srcs = []
             for i, cut in self.cuts:
                 t = held[i]
@@ -310,6 +312,14 @@ class _Pack:
 
 
 _SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
+
+
+def _same_layouts(a: Any, b: Any) -> bool:
+    """Two looks at the same tensors alike: ``native.layouts`` arrays, or (addresses,
+    shapes, strides, dtypes, devices)."""
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return np.array_equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 # ------------------------------------------------------------------ sender

@@ -223,6 +223,20 @@ def data_ptrs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return out
 
 
+def layouts(tensors: Sequence[torch.Tensor]) -> np.ndarray | None:
+    """Each tensor's address and a hash of its sizes, strides, dtype and device, an int64
+    ``[n, 2]`` array, in one C++ call; None for short lists or where the extension is not
+    loaded (the caller then compares those attributes itself)."""
+    n = len(tensors)
+    lib = _extension.module
+    if n < NATIVE_POINTERS_MIN or lib is None or not hasattr(lib, "layouts") \
+            or os.environ.get("WEIGHTBUS_NATIVE_POINTERS", "1").strip().lower() in _OFF:
+        return None
+    out = np.empty((n, 2), np.int64)
+    lib.layouts(tensors, out.ctypes.data)
+    return out
+
+
 def same_items(a: Sequence[Any], b: Sequence[Any]) -> bool:
     """Whether ``a`` and ``b`` hold the very same objects in the same order (a C-level
     pass over long lists where the extension is loaded)."""
