@@ -67,20 +67,22 @@ static inline void prefetch_ahead(PyObject** items, Py_ssize_t i, Py_ssize_t n) 
   }
 }
 
-// data_ptrs(tensors, out): writes item i's address (pointer_of) to ((int64_t*)out)[i];
-// TypeError, naming the item, for one that is not a tensor.
-static PyObject* data_ptrs(PyObject*, PyObject* args) {
+// The pass data_ptrs and layouts share: args (a sequence of tensors, an output address),
+// each item prefetched ahead and handed to write(item, i, out), which returns false with a
+// Python error set (the pass then stops and raises it).
+template <typename Write>
+static PyObject* tensor_pass(PyObject* args, const char* what, Write write) {
   PyObject* seq;
   unsigned long long out;
   if (!PyArg_ParseTuple(args, "OK", &seq, &out)) return nullptr;
-  PyObject* fast = PySequence_Fast(seq, "data_ptrs: a sequence of tensors");
+  PyObject* fast = PySequence_Fast(seq, what);
   if (fast == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
   PyObject** items = PySequence_Fast_ITEMS(fast);
   int64_t* dst = reinterpret_cast<int64_t*>(out);
   for (Py_ssize_t i = 0; i < n; i++) {
     prefetch_ahead(items, i, n);
-    if (!pointer_of(items[i], i, dst + i, 0)) {
+    if (!write(items[i], i, dst)) {
       Py_DECREF(fast);
       return nullptr;
     }
@@ -89,44 +91,40 @@ static PyObject* data_ptrs(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// layouts(tensors, out): writes item i's address (pointer_of) to ((int64_t*)out)[2 i] and a
-// hash of its sizes, strides, dtype and device to [2 i + 1]: what a caller keeps views of a
-// tensor by (a tensor given other metadata at its address reads differently). From Python,
-// those four attributes cost ~0.4 us a tensor, in four passes; here one pass.
-static PyObject* layouts(PyObject*, PyObject* args) {
-  PyObject* seq;
-  unsigned long long out;
-  if (!PyArg_ParseTuple(args, "OK", &seq, &out)) return nullptr;
-  PyObject* fast = PySequence_Fast(seq, "layouts: a sequence of tensors");
-  if (fast == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  int64_t* dst = reinterpret_cast<int64_t*>(out);
-  for (Py_ssize_t i = 0; i < n; i++) {
-    prefetch_ahead(items, i, n);
-    if (!pointer_of(items[i], i, dst + 2 * i, 0)) {
-      Py_DECREF(fast);
-      return nullptr;
-    }
-    uint64_t h = 1469598103934665603ULL;  // (FNV-1a over the words below)
-    auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
-    try {
-      const at::Tensor& t = THPVariable_Unpack(items[i]);
-      mix(static_cast<uint64_t>(t.dim()));
-      for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
-      for (int64_t s : t.strides()) mix(static_cast<uint64_t>(s));
-      mix(static_cast<uint64_t>(t.scalar_type()));
-      mix(static_cast<uint64_t>(t.device().type()));
-      mix(static_cast<uint64_t>(t.device().index()) + 1);
-    } catch (const std::exception& e) {
-      Py_DECREF(fast);
-      PyErr_Format(PyExc_RuntimeError, "layouts: item %zd: %s", i, e.what());
-      return nullptr;
-    }
-    dst[2 * i + 1] = static_cast<int64_t>(h);
+// data_ptrs(tensors, out): writes item i's address (pointer_of) to ((int64_t*)out)[i];
+// TypeError, naming the item, for one that is not a tensor.
+static PyObject* data_ptrs(PyObject*, PyObject* args) {
+  return tensor_pass(args, "data_ptrs: a sequence of tensors",
+                     [](PyObject* obj, Py_ssize_t i, int64_t* dst) { return pointer_of(obj, i, dst + i, 0); });
+}
+
+// Item i's address (pointer_of) at out[2 i] and a hash of its sizes, strides, dtype and
+// device at out[2 i + 1]. False with a Python error set.
+static bool layout_of(PyObject* obj, Py_ssize_t i, int64_t* out) {
+  if (!pointer_of(obj, i, out + 2 * i, 0)) return false;
+  uint64_t h = 1469598103934665603ULL;  // (FNV-1a over the words below)
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    mix(static_cast<uint64_t>(t.dim()));
+    for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
+    for (int64_t s : t.strides()) mix(static_cast<uint64_t>(s));
+    mix(static_cast<uint64_t>(t.scalar_type()));
+    mix(static_cast<uint64_t>(t.device().type()));
+    mix(static_cast<uint64_t>(t.device().index()) + 1);
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_RuntimeError, "layouts: item %zd: %s", i, e.what());
+    return false;
   }
-  Py_DECREF(fast);
-  Py_RETURN_NONE;
+  out[2 * i + 1] = static_cast<int64_t>(h);
+  return true;
+}
+
+// layouts(tensors, out): layout_of each item: what a caller keeps views of a tensor by (a
+// tensor given other metadata at its address reads differently). From Python, those four
+// attributes cost ~0.4 us a tensor, in four passes; here one pass.
+static PyObject* layouts(PyObject*, PyObject* args) {
+  return tensor_pass(args, "layouts: a sequence of tensors", layout_of);
 }
 
 // same_items(a, b): whether two sequences hold the very same objects, in order (a pass over

@@ -4,7 +4,7 @@ the records, pack them into buckets round by round (see the package's docstring)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -350,14 +350,19 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
         yield _read_digests(out)
 
 
-def table_for(snaps: Snapshots, where: Any, key: list[Any], ptrs: np.ndarray | None = None) -> DiffTable:
+def table_for(snaps: Snapshots, where: Any, key: list[Any], ptrs: np.ndarray | None = None,
+              fits: Callable[[], bool] | None = None) -> DiffTable | None:
     """The :class:`DiffTable` of the pieces ``where`` names, to replay where its pieces are
     ``key`` (a list of objects, compared by identity; with ``ptrs``, their addresses too:
     tensors that keep their object when given new memory) and the snapshots the ones it
-    saw; else a new one, made by the next ``_records`` over them."""
-    table = snaps.tables.get(where)
+    saw; else a new one, made by the next ``_records`` over them, or None (and none kept)
+    where ``fits`` says the pieces cannot be tabled."""
+    table = snaps.tables.pop(where, None)
     if table is None or not table.usable(key, snaps, ptrs):
-        table = snaps.tables[where] = DiffTable(key, ptrs)
+        if fits is not None and not fits():
+            return None
+        table = DiffTable(list(key), ptrs)
+    snaps.tables[where] = table
     return table
 
 
@@ -599,14 +604,8 @@ def _table(stream: Any, snaps: Snapshots) -> DiffTable | None:
     held = owners() if owners is not None else None
     if held is None:
         return None
-    ptrs = native.data_ptrs(held)
-    table = snaps.tables.get("pieces")
-    if table is not None and table.usable(held, snaps, ptrs):
-        return table
-    if not all(map(torch.Tensor.is_contiguous, held)):
-        return None
-    table = snaps.tables["pieces"] = DiffTable(list(held), ptrs)
-    return table
+    return table_for(snaps, "pieces", held, native.data_ptrs(held),
+                     lambda: all(map(torch.Tensor.is_contiguous, held)))
 
 
 def _budget(engine: Engine, manifest: Manifest) -> int | None:
