@@ -2,7 +2,7 @@
 encoding of every piece, and a receiver applying the records, on a preset's shapes.
 
     python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda] [--rounds 5]
-        [--split 4] [--kernel-times]
+        [--split 4] [--kernel-times] [--group ELEMENTS]
 
 ``--split N``: the records made in N rounds, as an update in rounds sends them (each round
 packed and applied before the next is made, its arena reused); prints what the arenas hold.
@@ -38,7 +38,10 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="replay the kernel calls (a DiffTable)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also time each GPU kernel by CUDA events around its launches")
+    ap.add_argument("--group", type=int, help="elements diffed together on a GPU (default: the engine's)")
     args = ap.parse_args()
+    if args.group:
+        ds._GROUP = args.group
     dev = torch.device(args.device)
     shapes = presets.shapes(args.preset, args.layers)
     g = torch.Generator(device=dev).manual_seed(0)

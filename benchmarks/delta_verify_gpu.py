@@ -10,6 +10,7 @@ import time
 import torch
 
 from weightbus.engines import delta as dm
+from weightbus.engines.delta import encoding, receiver
 from weightbus.planning import presets
 
 
@@ -31,7 +32,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     sample = [(torch.randn(n, generator=g) * 9).to(dt).cuda() for n in (1, 7, 4097, 1 << 20)
               for dt in (torch.uint8, torch.bfloat16, torch.float32, torch.float64)]
-    want = torch.stack([dm._weighted_range(0, dm._bits(t.cpu()).long()) for t in sample])
+    want = torch.stack([encoding._weighted_range(0, encoding._bits(t.cpu()).long()) for t in sample])
     assert torch.equal(dm.digests(sample), want), "GPU digests differ from the torch path"
     print("digests on the GPU == torch path: OK")
     print("| preset | tensors | GB | digests ms | floor ms (one bulk read) | ratio |")
@@ -45,7 +46,7 @@ def main() -> None:
             n = torch.Size(s).numel()
             views.append(flat[at:at + n].clone())
             at += n
-        targets = dm._Targets(views)
+        targets = receiver._Targets(views)
         ms = _time(lambda t=targets: dm.digests(t))
         floor = _time(lambda f=flat: f.view(torch.int16).amax())  # (a reduction that reads every byte once)
         gb = total * 2 / 1e9

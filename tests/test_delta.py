@@ -493,9 +493,10 @@ def test_gpu_block_layout_sums_each_piece_in_element_order():
 def test_whole_digests_agree_either_way(path):
     """The running check of a whole destination (a kernel row that reads, never writes):
     every path sums ``w(i) * x[i]`` over the bit patterns the same way, a changed element
-    anywhere changes its tensor's digest, and nothing is written."""
+    anywhere changes its tensor's digest, and nothing is written. (The last shape: whole
+    spans of the GPU kernel's programs, read unmasked, and a partial one.)"""
     g = torch.Generator().manual_seed(3)
-    shapes = [(300, 7), (5,), (4099,), (1,), (0,)]
+    shapes = [(300, 7), (5,), (4099,), (1,), (0,), (3, (1 << 16) + 7)]
     tensors = [(torch.randn(s, generator=g) * 20).to(dt).view(-1) for s in shapes for dt in DTYPES]
     want = torch.stack([drec._weighted_range(0, drec._bits(t).long()) for t in tensors])
     before = [t.clone() for t in tensors]
@@ -503,8 +504,9 @@ def test_whole_digests_agree_either_way(path):
     assert torch.equal(got, want)
     assert all(torch.equal(drec._bits(a), drec._bits(b)) for a, b in zip(tensors, before, strict=True))
     drec._bits(tensors[9])[4000] ^= 1  # one bit of one element
+    drec._bits(tensors[21])[70000] ^= 1 << 9  # (bfloat16, in the second whole span)
     changed = (dr.digests(tensors) != got).nonzero().squeeze(1).tolist()
-    assert changed == [9]
+    assert changed == [9, 21]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CI has none: the Triton kernels "

@@ -384,6 +384,26 @@ def test_delta_on_sharded_receive_cuda_tensors_bitwise(port):
         assert [s["delta"] for s in got["stats"]] == [False, True, True, True]
 
 
+@needs_gpu
+@pytest.mark.parametrize("every", [1, 2])
+def test_delta_on_sharded_receive_cuda_catches_a_drifted_copy(port, every):
+    """The whole-destination check on a GPU (read on a side stream before the update
+    writes, which wait for it): a bit flipped in rank 1's up.weight before update 2 fails
+    the first update that checks (2, or 3 with ``verify_every=2``) on every rank, naming
+    it; the next goes whole and lands bitwise."""
+    import workers_shards as ws
+    out = spawn(ws.run_delta, 3, (1, 2, port, 5, 512, 1, 0, None, 0.02, 2, every, "bfloat16", "cuda", 4),
+                timeout=300)
+    fails = 1 if every == 1 else 2  # (the failing update's index)
+    for got in out:
+        errors = got["errors"]
+        assert [e is None for e in errors] == [k != fails for k in range(5)], errors
+        assert "up.weight[" in errors[fails] and "no longer holds what the trainer sent" in errors[fails]
+        want = [False, True, True, True][:fails] + [None, False, True, True][:5 - fails]
+        assert [s and s["delta"] for s in got["stats"]] == want
+    assert out[2]["wrong"] == ([] if every == 1 else ["2:up.weight"]) and out[1]["wrong"] == []
+
+
 @pytest.mark.parametrize("relay", [0, 1, 2])
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 def test_sharded_nccl_to_three_replicas_direct_chain_and_tree(port, relay):

@@ -255,6 +255,21 @@ def test_delta_on_sharded_receive_catches_a_drifted_copy_then_resyncs(port):
     assert all(got["wrong"] == [] for got in out[T:])
 
 
+def test_delta_checks_the_whole_copy_every_verify_every_updates(port):
+    """``verify_every=2``: the whole copy is read every second delta update, before that
+    update writes, so a bit flipped before update 2 (not checked there) fails update 3,
+    naming the region, and update 4 goes whole and lands bitwise."""
+    out = spawn(ws.run_delta, 1 + R, (1, R, port, 5, 4096, 1, 0, None, 0.02, 2, 2), timeout=240)
+    for rank, got in enumerate(out):
+        errors = got["errors"]
+        assert errors[:2] == [None, None] and errors[3:] == [None, None], (rank, errors)
+        assert "up.weight[4:7, 0:8]" in errors[2] and "no longer holds what the trainer sent" in errors[2]
+        assert [s and s["delta"] for s in got["stats"]] == [False, True, None, False, True]
+    flipped = 1 + 1  # (rollout rank 1: its copy was wrong after update 2, which did not read it)
+    assert out[flipped]["wrong"] == ["2:up.weight"]
+    assert all(got["wrong"] == [] for q, got in enumerate(out[1:], 1) if q != flipped)
+
+
 def test_delta_on_sharded_receive_sends_a_bucket_dense_where_its_records_do_not_fit(port):
     """A bucket full of pieces whose every element changed: its records (a header each)
     would overflow it, so that bucket alone goes dense, agreed before a byte moves; the

@@ -39,8 +39,13 @@ Per update, after the core's header:
    full update, moved by every applied record's digest (the digest is linear, so the
    patches' digests are exactly how far it moves), and checked against a fresh pass over
    the tensors every ``verify_every`` delta updates (one read of the destinations, by the
-   same kernels). A mismatch names the tensors that drifted and fails the update, after
-   which the receiver holds no version and the next update is sent whole: the resync.
+   same kernels). The pass reads the tensors before the update writes, against the sums
+   the last update left, while the trainers diff (:class:`.receiver.WholeCheck`): a read
+   after the last write was the update's last step. It covers every change since the
+   last check: a copy that drifted between updates fails the next delta update, as it
+   would have with a read at the end; one that drifted during an update, the one after.
+   A mismatch names the tensors that drifted and fails the update, after which the
+   receiver holds no version and the next update is sent whole: the resync.
 
 The package by role: :mod:`.encoding` (the record format both sides read), :mod:`.sender`
 (steps 2-3 on a trainer rank), :mod:`.receiver` (steps 4-5), :mod:`.protocol` (what delta

@@ -309,9 +309,10 @@ _SPAN = 16 * BLOCK  # elements per program of the whole-destination digest (its 
 def digests(addr: torch.Tensor, n: torch.Tensor, esize: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Each flat tensor's whole digest, ``sum(w(i) * x[i])`` (host int64 columns of their
     addresses on ``device``, element counts and sizes): a launch per element size, a
-    program per ``_SPAN`` elements. Returns int64 on the host."""
+    program per ``_SPAN`` elements, on the current stream, nothing waited for. Returns
+    int64 on ``device`` (read it when it is needed)."""
     ks = kernels()
-    out = torch.zeros(len(n), dtype=torch.int64)
+    out = torch.zeros(len(n), dtype=torch.int64, device=device)
     with _on(device):
         for e in esize.unique().tolist():
             these = (esize == e).nonzero().squeeze(1)
@@ -321,12 +322,13 @@ def digests(addr: torch.Tensor, n: torch.Tensor, esize: torch.Tensor, device: to
                 continue
             item = torch.repeat_interleave(torch.arange(len(these)), spans, output_size=total)
             off = (torch.arange(total) - (torch.cumsum(spans, 0) - spans)[item]) * _SPAN
-            tab = torch.cat([addr[these], n[these], item, off]).to(device, non_blocking=True)
             k = len(these)
+            tab = torch.cat([addr[these], n[these], item, off, these]).to(device, non_blocking=True)
             partial = torch.empty(total, dtype=torch.int64, device=device)
-            ks.digest[(total,)](tab[:k], tab[k:2 * k], tab[2 * k:2 * k + total], tab[2 * k + total:], partial,
-                                INT=_int(ks.tl, e), BLOCK=BLOCK, SPAN=_SPAN, NARROW=e <= 2, num_warps=8)
-            sums = torch.zeros(k, dtype=torch.int64, device=device)
-            sums.index_add_(0, tab[2 * k:2 * k + total], partial)
-            out[these] = sums.cpu()
+            align = 16 if bool((addr[these] % 16 == 0).all()) else 1
+            ks.digest[(total,)](tab[:k], tab[k:2 * k], tab[2 * k:2 * k + total], tab[2 * k + total:-k],
+                                partial, INT=_int(ks.tl, e), BLOCK=BLOCK, SPAN=_SPAN, NARROW=e <= 2,
+                                ALIGN=align, num_warps=8)
+            # (each program's sum into its tensor's: item i is tensor these[i])
+            out.index_add_(0, tab[-k:][tab[2 * k:2 * k + total]], partial)
     return out

@@ -221,33 +221,31 @@ def apply(rows, blk_rec, blk_off, blk_base, partial, first_bad, INT: tl.constexp
 
 @triton.jit
 def digest(addr_tab, n_tab, blk_item, blk_off, partial, INT: tl.constexpr, BLOCK: tl.constexpr,
-           SPAN: tl.constexpr, NARROW: tl.constexpr):
-    """The running check of whole destinations: a program sums w(j) * x[j] over SPAN
-    elements of one tensor from ``off`` (BLOCK at a time; few programs, so tables made per
-    call stay small), the host adds each tensor's programs. NARROW (elements of at most 2
-    bytes, SPAN <= 2^16): w(off + u) = w(off) + 2654435761 u, so the sum is w(off) * sum(x)
-    + 2654435761 * sum(u * x), in 32-bit lanes (below): a 64-bit multiply per element bound
-    the kernel at ~10x a read of the bytes on an H100."""
+           SPAN: tl.constexpr, NARROW: tl.constexpr, ALIGN: tl.constexpr):
+    """The check of whole destinations: a program sums w(j) * x[j] over SPAN elements of
+    one tensor from ``off`` (BLOCK at a time; few programs, so tables made per call stay
+    small), the host adds each tensor's programs. NARROW (elements of at most 2 bytes):
+    w(off + u) = w(off) + 2654435761 u, so the sum is w(off) * sum(x) + 2654435761 * sum(u
+    x), and with u = BLOCK q + t, sum(u x) = BLOCK sum(q x) + sum(t x) is had from two
+    32-bit sums per lane, no multiply per element (``_narrow``): a 64-bit multiply per
+    element bound the kernel at ~10x a read of the bytes on an H100, 32-bit ones at ~2x."""
     b = tl.program_id(0)
     r = tl.load(blk_item + b)
     x_ptr = tl.load(addr_tab + r).to(tl.pointer_type(INT))
+    if ALIGN > 1:  # (every tensor 16-byte aligned: whole spans are read 16 bytes at a time)
+        x_ptr = tl.multiple_of(x_ptr, ALIGN)
     n = tl.load(n_tab + r)
-    off = tl.load(blk_off + b)
-    if NARROW:  # (u = BLOCK q + t: sum(u x) = BLOCK sum(q x) + sum(t x), all in 32-bit lanes:
-        # |t x| < 2^27 over SPAN / BLOCK = 16 steps stays under 2^31)
-        s1 = tl.zeros([BLOCK], dtype=tl.int32)
-        sq = tl.zeros([BLOCK], dtype=tl.int32)
-        st = tl.zeros([BLOCK], dtype=tl.int32)
+    off = tl.multiple_of(tl.load(blk_off + b), SPAN)
+    if NARROW:
         t = tl.arange(0, BLOCK)
-        for q in range(0, SPAN // BLOCK):
-            u = q * BLOCK + t
-            take = off + u < n
-            x = tl.load(x_ptr + off + u, mask=take, other=0).to(tl.int32)
-            s1 += x
-            sq += q * x
-            st += t * x
-        s2 = BLOCK * tl.sum(sq.to(tl.int64), axis=0) + tl.sum(st.to(tl.int64), axis=0)
-        total = (off * 2654435761 + 1) * tl.sum(s1.to(tl.int64), axis=0) + 2654435761 * s2
+        if off + SPAN <= n:  # (a whole span: no masks, so the loads stay wide)
+            s1, cc = _narrow(x_ptr + off, t, n - off, BLOCK, SPAN, False)
+        else:
+            s1, cc = _narrow(x_ptr + off, t, n - off, BLOCK, SPAN, True)
+        # per lane, sum over q of q x = Q s1 - cc (Q = SPAN / BLOCK); then sum(t x) = sum(t s1)
+        q_x = tl.sum(((SPAN // BLOCK) * s1 - cc).to(tl.int64), axis=0)
+        t_x = tl.sum(t.to(tl.int64) * s1.to(tl.int64), axis=0)
+        total = (off * 2654435761 + 1) * tl.sum(s1.to(tl.int64), axis=0) + 2654435761 * (BLOCK * q_x + t_x)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.int64)
         for k in range(0, SPAN, BLOCK):
@@ -257,3 +255,21 @@ def digest(addr_tab, n_tab, blk_item, blk_off, partial, INT: tl.constexpr, BLOCK
             acc += _terms(take, j, x, tl.zeros_like(x))
         total = tl.sum(acc, axis=0)
     tl.store(partial + b, total)
+
+
+@triton.jit
+def _narrow(x_ptr, t, left, BLOCK: tl.constexpr, SPAN: tl.constexpr, MASKED: tl.constexpr):
+    """Per lane t, over the SPAN / BLOCK steps q: s1 = sum of x[q, t], and cc = the sum of
+    s1 after each step (sum of x[q, t] (Q - q)), both in 32-bit lanes: |x| < 2^15 and Q <=
+    16 keep |cc| < 2^23."""
+    s1 = tl.zeros([BLOCK], dtype=tl.int32)
+    cc = tl.zeros([BLOCK], dtype=tl.int32)
+    for q in range(0, SPAN // BLOCK):
+        u = q * BLOCK + t
+        if MASKED:
+            x = tl.load(x_ptr + u, mask=u < left, other=0).to(tl.int32)
+        else:
+            x = tl.load(x_ptr + u).to(tl.int32)
+        s1 += x
+        cc += s1
+    return s1, cc

@@ -4,6 +4,7 @@ docstring)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -59,8 +60,8 @@ def receive(engine: Engine, version: int, manifest: Manifest,
         else:
             targets, error = _targets(engine, manifest, dest)
     chain.version, applied = None, 0
-    verify = engine.verify_every > 0
-    moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if verify and not full else None
+    check = WholeCheck(engine, chain, targets if error is None else [], full)
+    moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if check.on and not full else None
     every: list[Bucket] = []  # every round's buckets
     go_on = True
     while go_on:
@@ -74,6 +75,7 @@ def receive(engine: Engine, version: int, manifest: Manifest,
                 error = msg or f"{engine.where()}: bucket {b.index} arrived with status {status}"
             if error is None:
                 engine.version = None  # from the first byte written on, the old version is gone
+                check.before_writes()
                 try:
                     with torch.no_grad():  # destinations may be parameters
                         applied += _apply(slot, b.used, targets, manifest, full, moved)
@@ -86,10 +88,7 @@ def receive(engine: Engine, version: int, manifest: Manifest,
                 engine._post_recv(plan[i + engine.num_buffers])
         every += plan
     engine._flush_recv(_PlanView(every))
-    if error is None and verify:
-        error = _verify(engine, chain, targets, manifest, version, moved)
-    if error is not None or not verify:
-        chain.sums = None
+    error = check.finish(targets, manifest, version, moved, error)
     if error is None:
         chain.digest = ((version * 7919 + 1) if full else
                         (chain.digest * 1000003 + applied + version)) & _MASK
@@ -101,28 +100,99 @@ class _Drift(Exception):
     pass
 
 
-def _verify(engine: Engine, chain: Chain, targets: Any, manifest: Manifest, version: int,
-            moved: torch.Tensor | None) -> str | None:
-    """Step 5: move every destination's running digest by what this update applied
-    (``moved``, None: a full update, which sets them from the tensors), and, when a check is
-    due, compare them with a fresh pass over the destinations. Returns the error, or None."""
-    if moved is None or chain.sums is None:  # (a full update; or a joiner's first delta: from here)
-        chain.sums, chain.unchecked = digests(targets), 0
-        return None
-    chain.sums += moved
-    chain.unchecked += 1
-    if chain.unchecked < engine.verify_every:
-        return None
-    chain.unchecked = 0
-    bad = (digests(targets) != chain.sums).nonzero().squeeze(1).tolist()
-    if not bad:
-        return None
-    names = ", ".join(repr(manifest.metas[i].name) for i in bad[:3]) + (f" and {len(bad) - 3} more"
-                                                                       if len(bad) > 3 else "")
-    return (f"{engine.where()}: delta mode: this rank's copy of {names} no longer holds what the "
-            f"trainer sent: it changed at elements no patch touched since it was last checked (a bit "
-            f"flip, or something other than weightbus wrote it). Version {version} is not held; the "
-            f"next update is sent whole (a dense resync)")
+class WholeCheck:
+    """Step 5 for one update (see the package's docstring): the running digest of every
+    destination tensor, moved by what the update applied, and, every ``verify_every`` delta
+    updates, compared with a fresh read of the tensors.
+
+    The fresh read is of the tensors as they are *before* this update writes, against the
+    running digests the last update left: the receiver's device is idle then (the
+    trainers diff, the first bucket moves), where a read after the last write was the
+    update's last step (~20 ms of an 8b model's ~50 over NVLink). It covers every change
+    since the last check, made by anything but an applied patch (a patch is checked on its
+    own as it is applied): a copy that drifted between updates fails the first delta
+    update after it, as before, and one that drifted during an update (this update's own
+    writes included) the next one. Started where the update knows its destinations and
+    whether it is a delta; :meth:`before_writes` is called before its first write (a GPU's
+    read goes on a side stream, which the writes wait for; a host's in a thread, joined);
+    :meth:`finish` at its end, whatever happened."""
+
+    _streams: dict[torch.device, Any] = {}
+
+    def __init__(self, engine: Engine, chain: Chain, targets: Any, full: bool) -> None:
+        self.engine, self.chain, self.targets = engine, chain, targets
+        self.on = engine.verify_every > 0
+        self.due = self.on and not full and chain.sums is not None \
+            and chain.unchecked + 1 >= engine.verify_every
+        self._fresh: Any = None  # the read in flight: (stream, event, sums) on a GPU, a thread on a host
+        self._got: list[Any] = []
+        self._waited = False
+        if self.due and targets:
+            if not isinstance(targets, _Targets):
+                self.targets = targets = _Targets(targets)
+            if targets.device is not None and targets.device.type == "cuda" and gpu.usable(targets[0]):
+                stream = self._streams.get(targets.device)
+                if stream is None:
+                    stream = self._streams[targets.device] = torch.cuda.Stream(targets.device)
+                stream.wait_stream(torch.cuda.current_stream(targets.device))  # (what came before)
+                with torch.cuda.stream(stream):
+                    sums = gpu.digests(targets.addr, targets.size, targets.esize, targets.device)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                self._fresh = (stream, done, sums)
+            else:
+                worker = threading.Thread(target=lambda: self._got.append(digests(targets)),
+                                          name="weightbus-delta-check", daemon=True)
+                worker.start()
+                self._fresh = worker
+
+    def before_writes(self) -> None:
+        """This update's first write follows (the fresh read has taken what it reads)."""
+        if self._waited:
+            return
+        self._waited = True
+        if isinstance(self._fresh, tuple):
+            torch.cuda.current_stream(self.targets.device).wait_event(self._fresh[1])
+        elif self._fresh is not None:
+            self._fresh.join()
+
+    def _sums(self) -> torch.Tensor | None:
+        if isinstance(self._fresh, tuple):
+            stream, _, sums = self._fresh
+            with torch.cuda.stream(stream):
+                return sums.cpu()
+        if self._fresh is not None:
+            self._fresh.join()
+        return self._got[0] if self._got else None
+
+    def finish(self, targets: Any, manifest: Manifest, version: int, moved: torch.Tensor | None,
+               error: str | None) -> str | None:
+        """The update's end: its error, else the check's (None: all well). Moves the running
+        digests by ``moved`` (None: a full update, which sets them from the tensors)."""
+        chain = self.chain
+        fresh = self._sums() if self.due else None  # (read to its end, whatever happened)
+        if error is not None or not self.on:
+            chain.sums = None
+            return error
+        if moved is None or chain.sums is None:  # (a full update; or a joiner's first delta: from here)
+            chain.sums, chain.unchecked = digests(targets), 0
+            return None
+        bad: list[int] = []
+        if fresh is not None:
+            bad = (fresh != chain.sums).nonzero().squeeze(1).tolist()
+            chain.unchecked = 0
+        else:
+            chain.unchecked += 1
+        chain.sums += moved
+        if not bad:
+            return None
+        chain.sums = None
+        names = ", ".join(repr(manifest.metas[i].name) for i in bad[:3]) + (
+            f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return (f"{self.engine.where()}: delta mode: this rank's copy of {names} no longer holds what "
+                f"the trainer sent: it changed at elements no patch touched since it was last checked (a "
+                f"bit flip, or something other than weightbus wrote it). Version {version} is not held; "
+                f"the next update is sent whole (a dense resync)")
 
 
 def digests(targets: list[torch.Tensor]) -> torch.Tensor:
@@ -141,7 +211,7 @@ def digests(targets: list[torch.Tensor]) -> torch.Tensor:
                                 zero, size], 1)
             return kernels.apply_many(lib, rows)[:, 0].clone()
         if gpu.usable(targets[0]) is not None:
-            return gpu.digests(targets.addr, size, targets.esize, targets.device)
+            return gpu.digests(targets.addr, size, targets.esize, targets.device).cpu()
     return torch.stack([_weighted_range(0, _bits(t).long()).cpu() for t in targets])
 
 

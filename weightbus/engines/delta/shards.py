@@ -46,8 +46,7 @@ from weightbus import config
 from weightbus.engines import sharded
 from weightbus.engines.delta.encoding import _MASK
 from weightbus.engines.delta.protocol import Engine, _agree
-from weightbus.engines.delta.receiver import _apply, _Drift, _Targets, digests
-from weightbus.engines.delta.receiver import _verify as verify_whole
+from weightbus.engines.delta.receiver import WholeCheck, _apply, _Drift, _Targets, digests
 from weightbus.engines.delta.sender import Block, Record, _read_digests, _records, part_elements, table_for
 from weightbus.engines.delta.sender import _fill as fill_records
 from weightbus.engines.streams import Stream
@@ -405,11 +404,11 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
         except PlanError as e:
             error = f"{engine.where()}: {e}"
     mine = plan.received_by(r)
-    verify = engine.verify_every > 0
-    moved = torch.zeros(len(numbers.got), dtype=torch.int64) if verify and not full else None
     write = pieces is not None and error is None
     if write and not full:
         pieces.stage_in()
+    check = WholeCheck(engine, chain, pieces.targets if write else [], full)
+    moved = torch.zeros(len(numbers.got), dtype=torch.int64) if check.on and not full else None
     src, children, hop = plan.relay_from[r], plan.relay_to[r], plan.depth_of(r)
     wire = applied = 0
     nb = engine.num_buffers
@@ -446,6 +445,7 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
                     error = msg or f"{engine.where()}: sharded bucket {b.index} arrived with status {status}"
                 if error is None and write and not engine._refused:
                     engine.version = None  # from the first byte written on, the old version is gone
+                    check.before_writes()
                     try:
                         with torch.no_grad():
                             applied += _land(engine, slot, b, numbers, pieces, full or b.index in dense,
@@ -468,10 +468,7 @@ def receive(engine: Any, start: float, version: int, manifest: Manifest, error: 
             raise
     if write and error is None:
         pieces.stage_out()
-        if verify:
-            error = verify_whole(engine, chain, pieces.targets, numbers.got, version, moved)
-    if error is not None or not verify:
-        chain.sums = None
+    error = check.finish(pieces.targets if write else [], numbers.got, version, moved, error)
     if error is None:
         chain.digest = ((version * 7919 + 1) if full else (chain.digest * 1000003 + version)) & _MASK
         chain.plan = key
