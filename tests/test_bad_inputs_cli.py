@@ -238,8 +238,8 @@ def test_fp8_names_the_scenarios_it_needs(nothing_starts, capsys):
 def test_trainers_name_the_scenario_they_need(nothing_starts, capsys):
     err = _refused(["bench", "--scenario", "hybrid-fsdp", "--trainers", "2"], capsys)
     assert "--trainers" in err and "--scenario disaggregated only, not --scenario hybrid-fsdp" in err, err
-    err = _refused(["bench", "--trainers", "2", "--delta", "0.1"], capsys)
-    assert "trainers= applies to the disaggregated scenario over gloo or nccl, without delta=" in err, err
+    err = _refused(["bench", "--trainers", "2", "--backend", "nixl"], capsys)
+    assert "trainers= applies to the disaggregated scenario over gloo or nccl" in err, err
     with pytest.raises(AssertionError, match="started"):  # alone, it chooses that scenario
         cli.main(["bench", "--trainers", "2", "--rollout-tp", "2"])
     (configs, *_), _ = nothing_starts[0]

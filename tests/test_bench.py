@@ -95,12 +95,15 @@ def test_bench_sharded_row_cpu():
 
 
 def test_bench_fsdp_trainers_sharded_row_cpu():
-    """``--trainers 2 --rollout-tp 2``: two FSDP2 trainer ranks, each holding half of every
-    tensor, both send (the sharded update's buckets spread over them), and every TP rank
-    gets exactly its rows, bitwise, of weights that change every round."""
+    """``--trainers 2 --rollout-tp 2 --delta 0.02``: two FSDP2 trainer ranks, each holding
+    half of every tensor, both send (the sharded update's buckets spread over them), and
+    every TP rank gets exactly its rows, bitwise, of weights that change every round; the
+    delta columns from the same DTensors (each rank diffs its own rows), bitwise too."""
     row = run_bench(BenchConfig(scenario="disaggregated", preset="tiny", iters=2, gpu=False, timeout=120,
-                                rollout_tp=2, trainers=2))
+                                rollout_tp=2, trainers=2, delta=0.02))
     assert row["verified"] and row["scenario"] == "disagg gloo 2->2 TP" and row["trainers"] == 2
+    assert row["delta_s"] > 0 and not row["delta_full"] and row["delta_wire_fraction"] < 0.15
+    assert row["sharded_delta_s"] > 0 and not row["sharded_delta_full"]
     sent = row["shard_sent"]
     assert len(sent) == 2 and min(sent) > 0.3 * sum(sent), sent  # both trainers send their share
     assert sum(sent) >= sum(row["shard_bytes"])
@@ -108,7 +111,7 @@ def test_bench_fsdp_trainers_sharded_row_cpu():
     with pytest.raises(ValueError, match="trainers= applies to the disaggregated scenario"):
         BenchConfig(scenario="colocated", preset="tiny", gpu=False, trainers=2)
     with pytest.raises(ValueError, match="trainers= applies to the disaggregated scenario"):
-        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, trainers=2, delta=0.1)
+        BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, trainers=2, backend="nixl")
     with pytest.raises(ValueError, match="trainers must be an int >= 1"):
         BenchConfig(scenario="disaggregated", preset="tiny", gpu=False, trainers=0)
 

@@ -169,12 +169,14 @@ def test_sharded_source_gathers_exactly(free_port):
     assert spawn(workers.sharded_source, 2, (free_port,), timeout=120) == [True, True]
 
 
-def test_delta_replays_its_kernel_calls_while_the_source_holds_the_same_tensors(port):
+@pytest.mark.parametrize("grad", [False, True], ids=["state-dict", "parameters"])
+def test_delta_replays_its_kernel_calls_while_the_source_holds_the_same_tensors(port, grad):
     """A delta trainer with one ``ModuleSource(model)`` tables its kernel calls at its first
     delta update and replays them while the module's tensors stay where they are (the loop
-    over pieces skipped); a weight given new memory, or a new parameter set on the
-    module, is followed and tabled again. Every update lands bitwise."""
-    trainer, rollout = spawn(workers.delta_replayed, 2, (port,), timeout=120)
+    over pieces skipped), whether they require grad (a trainer's parameters) or not; a
+    weight given new memory, or a new parameter set on the module, is followed and tabled
+    again. Every update lands bitwise."""
+    trainer, rollout = spawn(workers.delta_replayed, 2, (port, grad), timeout=120)
     assert [t["digest"] for t in trainer] == [r["digest"] for r in rollout]
     assert [r["version"] for r in rollout] == list(range(1, 9))
     assert [t["delta"] for t in trainer] == [False] + [True] * 7
@@ -202,6 +204,10 @@ def test_delta_updates_bitwise(port, free_port, T, R, lr, backend):
     trainers, rollouts = logs[:T], logs[T:]
     kinds = [e["kind"] for e in trainers[0]]
     assert all(e["rounds"] > 1 for t in trainers for e in t), trainers[0]  # updates sent in rounds
+    # from the second delta update on, the kernel calls are replayed (FSDP2: of each rank's
+    # own shards), the optimizer having stepped in place
+    replayed = [[e["replayed"] for e in t] for t in trainers]
+    assert all(r[k] for r in replayed for k in range(2, updates)), replayed
     for k, kind in enumerate(kinds):
         sent = sum(t[k].get("ok", 0) for t in trainers)  # every trainer rank sends its own share
         dense = trainers[0][k]["dense"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workers_hotpath import update_counts
+from workers_hotpath import gc_states, update_counts
 
 from weightbus.runtime.local import spawn
 
@@ -127,3 +127,14 @@ def test_fp8_written_into_a_colocated_rollout_does_not_grow_with_the_weights():
         assert grown <= PER_TENSOR * (MANY - FEW), (
             f"fp8 writer: a warm call's {what} grew by {grown} for {MANY - FEW} more weights "
             f"({counts[0][what]} -> {counts[1][what]}): something works per tensor")
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+def test_an_update_pauses_the_collector_only_while_it_works(delta, port):
+    """Python's cyclic collector is off while a send reads its source and on while a
+    receive's consumer holds a tensor (a consumer that never closes its stream cannot leave
+    it off); after every update it is as it was before (off where the caller turned it off)."""
+    trainer, rollout = spawn(gc_states, 2, (port, delta), timeout=120)
+    assert trainer["after"] == [True, True, False] and rollout["after"] == [True, True, True]
+    assert trainer["seen"] and not any(trainer["seen"]), trainer["seen"]
+    assert delta or (rollout["seen"] and all(rollout["seen"])), rollout["seen"]

@@ -623,11 +623,14 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
                 bad.done = False
                 ds._buckets = bad
             rdv.all_gather(None)
+            table = engine._snapshots.tables.get("pieces")
             out = _outcome(lambda: _send(engine, source).wire_bytes)
             if corrupt and rank == 0:
                 ds._buckets = orig
+            now = engine._snapshots.tables.get("pieces")  # (the kernel calls replayed: the same table)
             out.update(kind=kind, digest=want, dense=source.manifest.nbytes, gathers=gathers[0] - before,
-                       full=engine.last_full, rounds=rounds[0], went=getattr(engine.last_stats, "delta", "?"))
+                       full=engine.last_full, rounds=rounds[0], went=getattr(engine.last_stats, "delta", "?"),
+                       replayed=now is not None and now is table and bool(now.steps))
         else:
             rdv.all_gather(None)
             stop = 1 if kind == "consumer_stops" and rank == T else None
@@ -658,9 +661,10 @@ def delta_updates(rank: int, T: int, R: int, port: int, fsdp_port: int, lr: floa
     return log
 
 
-def delta_replayed(rank: int, port: int):
+def delta_replayed(rank: int, port: int, grad: bool = False):
     """One trainer, one rollout, delta mode over gloo, one ``ModuleSource(model)`` for every
-    update (a bf16 model: its state dict's tensors are what the pieces are views of). The
+    update (a bf16 model: its tensors are what the pieces are views of; ``grad``: its
+    parameters require grad, as a trainer's do, and are changed under no_grad). The
     weights change in place before every update (2% of every tensor); before update 4 one
     weight is given new memory (``p.data = ...``), before update 6 a new ``nn.Parameter``
     replaces another. Each update: the rollout's digest, and on the trainer whether the
@@ -673,7 +677,7 @@ def delta_replayed(rank: int, port: int):
     torch.manual_seed(rank)  # (the rollout starts from other weights)
     model = nn.Sequential(*[nn.Linear(40, 40) for _ in range(30)]).to(torch.bfloat16)
     for p in model.parameters():
-        p.requires_grad_(False)
+        p.requires_grad_(grad and rank == 0)
     if rank == 1:
         engine.set_destinations(dict(model.state_dict()))
     connect(engine, rdv, 1, 1)
@@ -682,15 +686,16 @@ def delta_replayed(rank: int, port: int):
         source = ModuleSource(model)
         g = torch.Generator().manual_seed(1)
         for k in range(1, 9):
-            for t in model.state_dict().values():  # (the live tensors: in place)
-                flat = _bits(t.view(-1))
-                idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
-                flat[idx] += 1
+            with torch.no_grad():  # (an optimizer's step: in place)
+                for t in model.state_dict().values():  # (the live tensors: in place)
+                    flat = _bits(t.view(-1))
+                    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+                    flat[idx] += 1
             if k == 4:
                 model[3].weight.data = model[3].weight.data.clone()  # new memory, same object
                 _bits(model[3].weight.data.view(-1))[:5] += 1
             if k == 6:
-                model[7].bias = nn.Parameter(model[7].bias.detach() + 1, requires_grad=False)
+                model[7].bias = nn.Parameter(model[7].bias.detach() + 1, requires_grad=grad)
             before = engine._snapshots.tables.get("pieces")
             rdv.all_gather(None)
             stats = asyncio.run(engine.send_weights(source, version=k))

@@ -129,3 +129,44 @@ def update_counts(rank: int, backend: str, tensors: int, tensor_bytes: int, buck
     if trainer and mode == "fsdp":
         torch.distributed.destroy_process_group()
     return out
+
+
+def gc_states(rank: int, port: int, delta: bool) -> dict:
+    """One trainer, one rollout over gloo, three updates: whether Python's collector ran
+    while the trainer's source was read (it must not: the send pauses it), while the
+    rollout's consumer held each tensor (it must: a receive pauses it only while it works
+    itself), and after each update on both sides (on, as before it). Before the third the
+    trainer turns the collector off itself: it stays off. ``delta``: delta mode (the
+    receive writes in place and hands nothing to the consumer)."""
+    import gc
+
+    from weightbus.engines.delta.encoding import _bits
+    rdv = Rendezvous("127.0.0.1", port, rank, 2, timeout=60)
+    engine = CheckpointEngineRegistry.new("gloo", role="trainer" if rank == 0 else "rollout",
+                                          bucket_size=1 << 16, timeout=30, delta=delta)
+    weights = {f"w{i}": torch.full((64,), float(i)).bfloat16() for i in range(200)}
+    if rank == 1 and delta:
+        engine.set_destinations({n: t.clone() for n, t in weights.items()})
+    connect(engine, rdv, 1, 1)
+    seen: list[bool] = []
+    after: list[bool] = []
+    for k in range(3):
+        for t in weights.values():
+            _bits(t)[k % 64] += 1
+        if k == 2 and rank == 0:
+            gc.disable()
+        rdv.all_gather(None)
+        if rank == 0:
+            def source():
+                for n, t in weights.items():
+                    seen.append(gc.isenabled())
+                    yield n, t
+            asyncio.run(engine.send_weights(source(), version=k + 1))
+        else:
+            async def take() -> None:
+                async for _, _t in engine.receive_weights():
+                    seen.append(gc.isenabled())
+            asyncio.run(take())
+        after.append(gc.isenabled())
+    engine.finalize(destroy_group=True)
+    return {"seen": seen, "after": after}

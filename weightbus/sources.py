@@ -109,6 +109,8 @@ class ModuleSource:
         # per tensor held: (it, its mesh's group if it is dim-0 sharded on a 1-D mesh, else
         # None, its wire dtype): a DTensor's attributes cost microseconds, read once
         self._runnable: dict[int, tuple[Any, Any, torch.dtype]] = {}
+        # per tensor: whether a DTensor is dim-0 sharded on a 1-D mesh (None: not a DTensor)
+        self._sharded: list[bool | None] | None = None
         self._fit: dict[int, tuple[torch.Tensor, Any, int]] = {}
         self._hand: tuple[int, list[torch.Tensor | None]] | None = None  # (rank, at_hand(rank))
 
@@ -154,6 +156,7 @@ class ModuleSource:
         live.seen()
         self._fit.clear()  # (gather targets were worked out for the tensors held before)
         self._runnable.clear()
+        self._sharded = None
         self._to_owners = None  # (its copy tables hold the tensors held before)
         self._hand = None
 
@@ -172,13 +175,22 @@ class ModuleSource:
 
     def piece_owners(self) -> list[torch.Tensor] | None:
         """For delta updates: the tensors :meth:`local_pieces` cuts every piece from as a
-        view (followed first, as every per-update entry point does), in manifest order; None
-        where a piece may be a copy made per update (a DTensor's gather or shard, a
-        parameter detached per update). An engine keys work it replays on them while they
-        are the very same tensors at the same addresses (a strided one's share is flattened
-        by a copy: it checks that they are contiguous)."""
-        self.plain_tensors()
-        return self._plain
+        view (followed first, as every per-update entry point does), in manifest order: a
+        tensor itself (a parameter's detached view shares its memory), or the local shard
+        of an FSDP2 (dim-0 sharded) DTensor; None where a piece is a copy made per update
+        (a DTensor of another layout: gathered). An engine keys work it replays on them
+        while they are the very same tensors at the same addresses (a strided one's share
+        is flattened by a copy: it checks that they are contiguous)."""
+        if self.plain_tensors() is not None:
+            return self._plain
+        if self._sharded is None:  # (per tensor: a DTensor's attributes cost microseconds)
+            self._sharded = [_gatherable(t) if _is_dtensor(t) else None for _, t in self._items]
+        if False in self._sharded:
+            return None
+        # (a DTensor's own tensor: to_local() makes a new view of it per call)
+        owners = [getattr(t, "_local_tensor", None) if dt else t
+                  for (_, t), dt in zip(self._items, self._sharded, strict=True)]
+        return None if any(o is None for o in owners) else owners
 
     def _follow_once(self) -> None:
         if self._followed:

@@ -42,6 +42,7 @@ from weightbus.engines.api import (
     Validator,
     Weights,
     WeightStream,
+    paused_steps,
 )
 from weightbus.engines.delta import shards as delta_shards
 from weightbus.engines.streams import Stream, StreamBroken, fetch, resolve_stream
@@ -645,7 +646,8 @@ class BucketEngine(CheckpointEngine):
                       on_release: Callable[[torch.Tensor], None] | None = None,
                       on_complete: Completion | None = None, batched: bool = False) -> Iterator[Any]:
         with self._exclusive("receive_weights"):
-            yield from self._receive_update(expected, validate, on_release, on_complete, batched)
+            steps = self._receive_update(expected, validate, on_release, on_complete, batched)
+            yield from paused_steps(steps)
 
     def _receive_update(self, expected: Manifest | None, validate: Validator | None,
                         on_release: Callable[[torch.Tensor], None] | None,

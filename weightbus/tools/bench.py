@@ -139,10 +139,9 @@ class BenchConfig:
         T = self.trainers
         if isinstance(T, bool) or not isinstance(T, int) or T < 1:
             raise ValueError(f"trainers must be an int >= 1 (FSDP2 trainer ranks), got {T!r}")
-        if T > 1 and (self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl")
-                      or self.delta is not None):
-            raise ValueError("trainers= applies to the disaggregated scenario over gloo or nccl, "
-                             "without delta= (the other scenarios fix their trainers)")
+        if T > 1 and (self.scenario != "disaggregated" or self.engine not in ("gloo", "nccl")):
+            raise ValueError("trainers= applies to the disaggregated scenario over gloo or nccl "
+                             "(the other scenarios fix their trainers)")
         if self.gpu and T + self.receivers > 2 and torch.cuda.device_count() < T + self.receivers:
             raise ValueError(f"{T} trainer(s) and {self.receivers} receivers on GPUs need "
                              f"{T + self.receivers} of them (one per rank); this machine has "
@@ -256,7 +255,9 @@ def _mutate_fraction(weights: dict[str, torch.Tensor], fraction: float, step: in
     optimizer step at RL learning rates does to a few percent of the weights)."""
     with torch.no_grad():
         for i, t in enumerate(weights.values()):
-            flat = t.view(-1)
+            flat = (t.to_local() if hasattr(t, "to_local") else t).view(-1)  # (FSDP2: this rank's rows)
+            if not flat.numel():
+                continue
             k = max(1, round(flat.numel() * fraction))
             g = torch.Generator(device=t.device).manual_seed(step * 100003 + i)
             idx = torch.randint(0, flat.numel(), (k,), device=t.device, generator=g)

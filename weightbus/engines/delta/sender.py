@@ -251,17 +251,18 @@ class DiffTable:
     again first, as the loop would). Made only where every piece went to the kernels (no
     snapshot made, no torch path, not a full update)."""
 
-    __slots__ = ("key", "ptrs", "steps", "generation")
+    __slots__ = ("key", "ptrs", "steps", "generation", "identity")
 
-    def __init__(self, key: list[Any], ptrs: np.ndarray | None = None) -> None:
-        self.key, self.ptrs = key, ptrs
+    def __init__(self, key: list[Any], ptrs: np.ndarray | None = None, identity: bool = True) -> None:
+        self.key, self.ptrs, self.identity = key, ptrs, identity
         #: (on a host, the batch) or (on a device, the group), in order; None where a round ends
         self.steps: list[tuple[bool, _Batch] | None] = []
         self.generation = -1
 
     def usable(self, key: list[Any], snaps: Snapshots, ptrs: np.ndarray | None = None) -> bool:
         """Whether a replay would diff the same pieces into the same snapshots."""
-        return bool(self.steps) and self.generation == snaps.generation and native.same_items(key, self.key) \
+        return bool(self.steps) and self.generation == snaps.generation \
+            and (not self.identity or native.same_items(key, self.key)) \
             and (ptrs is None or (self.ptrs is not None and np.array_equal(ptrs, self.ptrs)))
 
 
@@ -351,17 +352,18 @@ def _buckets(items: Iterator[Record | Block], capacity: int) -> Iterator[list[Re
 
 
 def table_for(snaps: Snapshots, where: Any, key: list[Any], ptrs: np.ndarray | None = None,
-              fits: Callable[[], bool] | None = None) -> DiffTable | None:
+              fits: Callable[[], bool] | None = None, identity: bool = True) -> DiffTable | None:
     """The :class:`DiffTable` of the pieces ``where`` names, to replay where its pieces are
     ``key`` (a list of objects, compared by identity; with ``ptrs``, their addresses too:
-    tensors that keep their object when given new memory) and the snapshots the ones it
-    saw; else a new one, made by the next ``_records`` over them, or None (and none kept)
-    where ``fits`` says the pieces cannot be tabled."""
+    tensors that keep their object when given new memory; ``identity`` False: by ``ptrs``
+    alone, which then say each tensor's address and layout, ``key`` held only) and the
+    snapshots the ones it saw; else a new one, made by the next ``_records`` over them, or
+    None (and none kept) where ``fits`` says the pieces cannot be tabled."""
     table = snaps.tables.pop(where, None)
     if table is None or not table.usable(key, snaps, ptrs):
         if fits is not None and not fits():
             return None
-        table = DiffTable(list(key), ptrs)
+        table = DiffTable(list(key), ptrs, identity)
     snaps.tables[where] = table
     return table
 
@@ -596,16 +598,28 @@ def send(engine: Engine, manifest: Manifest, stream: Any, version: int,
 
 def _table(stream: Any, snaps: Snapshots) -> DiffTable | None:
     """The kernel calls of the last update, to replay where the source's pieces are views of
-    the very same tensors at the same addresses (its ``piece_owners``: a ModuleSource of
-    tensors without autograd, such as a module's state dict; not of DTensors, whose pieces
-    are their shards and gathers); None where it cannot say, or where a tensor is strided
-    (its share is a copy made per update)."""
+    the same memory, laid out the same (its ``piece_owners``: a ModuleSource's tensors, or
+    the local shards of its FSDP2 DTensors; a new ModuleSource of the same module, or a new
+    state dict of it, is the same memory): compared by each owner's address, sizes,
+    strides, dtype and device, the owners of the table kept (so no other tensor can take
+    their memory meanwhile). None where the source cannot say, or where a tensor is
+    strided (its share is a copy made per update)."""
     owners = getattr(getattr(stream, "source", None), "piece_owners", None)
     held = owners() if owners is not None else None
     if held is None:
         return None
-    return table_for(snaps, "pieces", held, native.data_ptrs(held),
-                     lambda: all(map(torch.Tensor.is_contiguous, held)))
+    return table_for(snaps, "pieces", held, _layouts(held),
+                     lambda: all(map(torch.Tensor.is_contiguous, held)), identity=False)
+
+
+def _layouts(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Each tensor's address and a hash of what else a view of it depends on (``native.layouts``,
+    or here where the extension is not loaded)."""
+    got = native.layouts(tensors)
+    if got is not None:
+        return got
+    return np.array([(t.data_ptr(), hash((tuple(t.shape), t.stride(), t.dtype, t.device))) for t in tensors],
+                    np.int64).reshape(-1, 2)
 
 
 def _budget(engine: Engine, manifest: Manifest) -> int | None:
