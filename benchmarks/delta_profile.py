@@ -2,7 +2,7 @@
 encoding of every piece, and a receiver applying the records, on a preset's shapes.
 
     python benchmarks/delta_profile.py --preset 8b [--fraction 0.02] [--device cuda] [--rounds 5]
-        [--split 4] [--kernel-times] [--group ELEMENTS]
+        [--split 4] [--kernel-times] [--group ELEMENTS] [--gc]
 
 ``--split N``: the records made in N rounds, as an update in rounds sends them (each round
 packed and applied before the next is made, its arena reused); prints what the arenas hold.
@@ -12,6 +12,7 @@ without it every update walks the pieces.
 """
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
@@ -19,6 +20,7 @@ import time
 import torch
 
 from weightbus.engines import delta as dm
+from weightbus.engines.api import _gc_paused
 from weightbus.engines.delta import receiver as dr
 from weightbus.engines.delta import sender as ds
 from weightbus.plan import Manifest, TensorMeta
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--kernel-times", action="store_true",
                     help="also time each GPU kernel by CUDA events around its launches")
     ap.add_argument("--group", type=int, help="elements diffed together on a GPU (default: the engine's)")
+    ap.add_argument("--gc", action="store_true",
+                    help="leave Python's collector running (an engine's update pauses it)")
     args = ap.parse_args()
     if args.group:
         ds._GROUP = args.group
@@ -96,6 +100,9 @@ def main() -> None:
         items = ds._records(pieces(), manifest, snaps, False, cap, budget, table)
         n_recs = off = 0
         enc = pack = app = 0.0
+        paused = contextlib.ExitStack()  # (the collector paused, as an engine's update pauses it)
+        if not args.gc:
+            paused.enter_context(_gc_paused())
         while True:
             t_a = time.perf_counter()
             buckets, follows = ds._round(items, 1 << 62)  # (one bucket holding the round's records)
@@ -114,6 +121,7 @@ def main() -> None:
             n_recs, off = n_recs + len(recs), off + used
             if not follows:
                 break
+        paused.close()
         t0, t1, t2, t3 = 0.0, enc, enc + pack, enc + pack + app
         if prof:
             prof.disable()

@@ -11,6 +11,8 @@
 # profile:    where a delta update's time goes on 8b, trainer side and apply, kernels timed
 #             (benchmarks/delta_profile.py --table --kernel-times --profile);
 # groups:     the same at 2^29 (the engine's), 2^30 and 2^31 elements diffed per launch;
+# gc:         30b-a3b/24's trainer side and apply with Python's collector paused (as an engine's update
+#             does) and running (--gc), alternating;
 # e2e:        delta end to end, 1 trainer GPU -> 1 rollout GPU over NCCL, 8b and 30b-a3b/24,
 #             2% changed (weightbus bench --delta 0.02), each side.
 set -uo pipefail
@@ -28,6 +30,9 @@ for step in ${STEPS:-verify deltatests}; do
     groups) for g in 536870912 1073741824 2147483648 536870912 2147483648; do echo "--- group $g"
               PYTHONPATH=$PWD timeout 200 python benchmarks/delta_profile.py --preset 8b --device cuda --rounds 5 \
                 --split 4 --table --group $g 2>&1 | grep -E "^(round [1-9]|median|device)"; done ;;
+    gc) for g in "" --gc "" --gc; do echo "--- 30b-a3b/24 ${g:-(collector paused, as an engine)}"
+          PYTHONPATH=$PWD timeout 200 python benchmarks/delta_profile.py --preset 30b-a3b --layers 24 --device cuda \
+            --rounds 4 --split 4 --table $g 2>&1 | grep -E "^(round [1-9]|median)"; done ;;
     e2e) for side in $SIDES; do for m in "8b" "30b-a3b --layers 24"; do echo "--- $side $m"
            PYTHONPATH=$(at "$side") timeout 280 python -m weightbus bench --scenario disaggregated --preset $m \
              --trainer-dtype bf16 --delta 0.02 --iters 3 2>&1 | grep -E "delta|disaggregated|Error|error" | head -6
