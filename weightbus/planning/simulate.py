@@ -81,12 +81,13 @@ class Calibration:
     quant_eff: float = 0.84
     quant_tensor_s: float = 0.52e-6
     #: delta mode: the trainer's diff and encode, x a bulk pass over the bytes it reads and
-    #: writes (8b on an H200: 16-20 ms, its kernel calls replayed, round ten); the receiver's
-    #: apply, in bulk reads of the dense bytes,
+    #: writes, fitted to 8b end to end on 2 x H200 (its kernels and host alone take 16-20 ms
+    #: of an H200, round ten; end to end, the rounds' waits on each other add to it); the
+    #: receiver's apply, in bulk reads of the dense bytes,
     #: at (fraction changed, x) from the delta kernels' table (8b at 2%: 9.9 ms); the
     #: whole-destination check, x a bulk read (8b on an H200: 4.7-5.1 ms, round ten; it runs
     #: beside the trainers' diff)
-    diff_eff: float = 0.57
+    diff_eff: float = 0.39
     apply_x: tuple[tuple[float, float], ...] = ((0.0, 0.0), (0.02, 2.9), (0.1, 17.9), (0.3, 25.9))
     verify_eff: float = 0.70
     #: per update (header, manifest, agreed outcome), per tensor (host walk), per bucket
