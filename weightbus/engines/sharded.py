@@ -32,7 +32,6 @@ and its forwards to its children run at once).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -286,7 +285,7 @@ class _Pack:
         # the views cut at the last update, and what their sources were then (the views
         # hold those sources' memory: an address seen again is the same memory)
         self._srcs: list[torch.Tensor] = []
-        self._seen: tuple[Any, ...] | None = None
+        self._seen: np.ndarray | None = None  # (native.layout_keys of the sources, last looked at)
 
     def run(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> None:
         assert self.copy is not None
@@ -295,13 +294,9 @@ class _Pack:
     def sources(self, held: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's view of its source tensor (in the source's dtype)."""
         tensors = list(map(held.__getitem__, self.tensors))
-        seen: Any = native.layouts(tensors)  # (addresses and a hash of the rest, in one pass)
-        if seen is None:
-            seen = (native.data_ptrs(tensors),
-                    list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
-                    list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors)))
+        seen = native.layout_keys(tensors)  # (addresses and a hash of the rest)
         last = self._seen
-        if last is None or type(seen) is not type(last) or not _same_layouts(seen, last):
+        if last is None or not np.array_equal(seen, last):
             srcs = []
             for i, cut in self.cuts:
                 t = held[i]
@@ -309,17 +304,6 @@ class _Pack:
             self._srcs = srcs
         self._seen = seen
         return self._srcs
-
-
-_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
-
-
-def _same_layouts(a: Any, b: Any) -> bool:
-    """Two looks at the same tensors alike: ``native.layouts`` arrays, or (addresses,
-    shapes, strides, dtypes, devices)."""
-    if isinstance(a, np.ndarray):
-        return np.array_equal(a, b)
-    return np.array_equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 # ------------------------------------------------------------------ sender

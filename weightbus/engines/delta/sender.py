@@ -608,18 +608,8 @@ def _table(stream: Any, snaps: Snapshots) -> DiffTable | None:
     held = owners() if owners is not None else None
     if held is None:
         return None
-    return table_for(snaps, "pieces", held, _layouts(held),
+    return table_for(snaps, "pieces", held, native.layout_keys(held),
                      lambda: all(map(torch.Tensor.is_contiguous, held)), identity=False)
-
-
-def _layouts(tensors: list[torch.Tensor]) -> np.ndarray:
-    """Each tensor's address and a hash of what else a view of it depends on (``native.layouts``,
-    or here where the extension is not loaded)."""
-    got = native.layouts(tensors)
-    if got is not None:
-        return got
-    return np.array([(t.data_ptr(), hash((tuple(t.shape), t.stride(), t.dtype, t.device))) for t in tensors],
-                    np.int64).reshape(-1, 2)
 
 
 def _budget(engine: Engine, manifest: Manifest) -> int | None:
