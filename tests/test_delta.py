@@ -509,6 +509,31 @@ def test_whole_digests_agree_either_way(path):
     assert changed == [9, 21]
 
 
+def test_a_whole_destination_check_that_fails_to_read_fails_the_update(monkeypatch):
+    """The check's read on a host runs on a thread: what it raises is the update's error
+    (naming the rank and the phase), never a check silently skipped; the chain's sums are
+    dropped (the next update goes whole)."""
+    from types import SimpleNamespace
+
+    targets = [torch.arange(10, dtype=torch.int16), torch.arange(7, dtype=torch.int16)]
+    engine = SimpleNamespace(verify_every=1, where=lambda: "gloo rollout rank 1")
+    chain = dr.Chain()
+    chain.sums = dr.digests(targets)
+    manifest = Manifest([TensorMeta("a", torch.int16, (10,)), TensorMeta("b", torch.int16, (7,))])
+    check = dr.WholeCheck(engine, chain, targets, full=False)  # (a clean read: no error)
+    check.before_writes()
+    assert check.finish(targets, manifest, 2, torch.zeros(2, dtype=torch.int64), None) is None
+
+    def broken(_):
+        raise RuntimeError("the copy is gone")
+    monkeypatch.setattr(dr, "digests", broken)
+    check = dr.WholeCheck(engine, chain, targets, full=False)
+    check.before_writes()
+    error = check.finish(targets, manifest, 3, torch.zeros(2, dtype=torch.int64), None)
+    assert "gloo rollout rank 1" in error and "whole-destination check: the copy is gone" in error
+    assert chain.sums is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CI has none: the Triton kernels "
                     "run under Triton's interpreter in test_whole_digests_agree_either_way)")
 def test_whole_digests_on_cuda():

@@ -141,10 +141,17 @@ class WholeCheck:
                     done.record(stream)
                 self._fresh = (stream, done, sums)
             else:
-                worker = threading.Thread(target=lambda: self._got.append(digests(targets)),
-                                          name="weightbus-delta-check", daemon=True)
+                worker = threading.Thread(target=self._read, args=(targets,), name="weightbus-delta-check",
+                                          daemon=True)
                 worker.start()
                 self._fresh = worker
+
+    def _read(self, targets: Any) -> None:
+        """A host's read, on its thread: the digests, or what it raised (an error of the update)."""
+        try:
+            self._got.append(digests(targets))
+        except Exception as e:  # noqa: BLE001 - reported by finish()
+            self._got.append(e)
 
     def before_writes(self) -> None:
         """This update's first write follows (the fresh read has taken what it reads)."""
@@ -156,7 +163,7 @@ class WholeCheck:
         elif self._fresh is not None:
             self._fresh.join()
 
-    def _sums(self) -> torch.Tensor | None:
+    def _sums(self) -> torch.Tensor | Exception | None:
         if isinstance(self._fresh, tuple):
             stream, _, sums = self._fresh
             with torch.cuda.stream(stream):
@@ -171,6 +178,9 @@ class WholeCheck:
         digests by ``moved`` (None: a full update, which sets them from the tensors)."""
         chain = self.chain
         fresh = self._sums() if self.due else None  # (read to its end, whatever happened)
+        if isinstance(fresh, Exception) and error is None:
+            error = (f"{self.engine.where()}: delta mode: reading this rank's destinations for the "
+                     f"whole-destination check: {fresh}; the next update is sent whole")
         if error is not None or not self.on:
             chain.sums = None
             return error
