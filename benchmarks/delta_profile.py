@@ -95,9 +95,9 @@ def main() -> None:
             prof.enable()
         # (as an update sends them: a kernel call's records stay one Block)
         total = sum(w.numel() * 2 for w in weights)
-        budget = None if args.split <= 1 else -(-total // args.split)
+        budget = None if args.split <= 1 else [-(-total * k // args.split) for k in range(1, args.split)]
         table = ds.table_for(snaps, "pieces", flats) if args.table else None
-        items = ds._records(pieces(), manifest, snaps, False, cap, budget, table)
+        rounds = ds._Rounds(ds._records(pieces(), manifest, snaps, False, cap, budget, table), 1 << 62)
         n_recs = off = 0
         enc = pack = app = 0.0
         paused = contextlib.ExitStack()  # (the collector paused, as an engine's update pauses it)
@@ -105,7 +105,8 @@ def main() -> None:
             paused.enter_context(_gc_paused())
         while True:
             t_a = time.perf_counter()
-            buckets, follows = ds._round(items, 1 << 62)  # (one bucket holding the round's records)
+            buckets, follows, failed = rounds.take("profile")  # (one bucket holding the round's records)
+            assert failed is None, failed
             recs = [it for b in buckets for it in b]
             sync()
             t_b = time.perf_counter()

@@ -26,6 +26,25 @@ def _setup(dtype=torch.bfloat16):
     return weights, manifest
 
 
+def _bf16_model(shapes, seed):
+    """bf16 weights of ``shapes``, their manifest, a trainer's snapshots, zeroed targets."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(s, generator=g).to(torch.bfloat16) for _, s in shapes]
+    manifest = Manifest(TensorMeta(n, torch.bfloat16, s) for n, s in shapes)
+    return weights, manifest, ds.Snapshots(), [torch.zeros_like(w).view(-1) for w in weights]
+
+
+def _one_percent_patches():
+    """The weights of ``_setup``, their manifest, targets holding them (a full update), and
+    the records of 1 % of their elements changed."""
+    weights, manifest = _setup()
+    snaps = ds.Snapshots()
+    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
+    _mutate(weights, 0.01, 1)
+    return weights, manifest, targets, ds.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+
+
 def _pieces(weights):
     for i, w in enumerate(weights):
         yield i, 0, w.view(-1)
@@ -274,12 +293,7 @@ def test_every_kind_lands_bitwise_either_way(dtype, path):
 
 
 def test_corrupt_or_misplaced_patch_is_named_either_way(path):
-    weights, manifest = _setup()
-    snaps = ds.Snapshots()
-    targets = [torch.zeros_like(w).view(-1) for w in weights]
-    _deliver(ds.records(_pieces(weights), manifest, snaps, True, 1 << 20), targets, manifest, True)
-    _mutate(weights, 0.01, 1)
-    recs = ds.records(_pieces(weights), manifest, snaps, False, 1 << 20)
+    weights, manifest, targets, recs = _one_percent_patches()
     sparse = next(r for r in recs if r.head[1] == drec.SPARSE)
     name, k = SHAPES[sparse.head[0]][0], sparse.head[4]
     body = torch.cat(sparse.body)  # positions, then values, each padded
@@ -440,11 +454,7 @@ def test_buckets_of_blocks_land_bitwise(capacity, path):
     # one in two, where 700-byte buckets split nearly every record: ~100 buckets otherwise)
     step = 2 if path == "triton" and capacity < 1000 else 1
     shapes = [(f"t{i}", (64 + 93 * i,)) for i in range(0, 24, step)] + [("big", (5000 // step,))]
-    g = torch.Generator().manual_seed(9)
-    weights = [torch.randn(s, generator=g).to(torch.bfloat16) for _, s in shapes]
-    manifest = Manifest(TensorMeta(n, torch.bfloat16, s) for n, s in shapes)
-    snaps = ds.Snapshots()
-    targets = [torch.zeros_like(w).view(-1) for w in weights]
+    weights, manifest, snaps, targets = _bf16_model(shapes, 9)
     for step, fraction in enumerate([None, 0.02, 0.3]):
         if fraction is not None:
             _mutate(weights, fraction, 20 + step)
@@ -544,7 +554,7 @@ def test_whole_digests_on_cuda():
     assert torch.equal(dr.digests(tensors), want)
 
 
-@pytest.mark.parametrize("budget", [None, 2000], ids=["one-round", "rounds"])
+@pytest.mark.parametrize("budget", [None, [2000]], ids=["one-round", "rounds"])
 def test_a_table_replays_the_diff_of_the_same_pieces_and_only_of_them(budget, path):
     """The kernel calls of a fixed list of pieces are worked out by one update and replayed
     by the next ones (``ds.table_for``; the loop over pieces does not run: the pieces are
@@ -609,3 +619,65 @@ def test_a_table_replays_the_diff_of_the_same_pieces_and_only_of_them(budget, pa
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return drec._bits(t.contiguous())
+
+
+def test_a_round_started_early_leaves_the_last_rounds_records(monkeypatch):
+    """The sender starts round r + 1 (its first group's diff launched, nothing waited for:
+    ``sender._Rounds.ahead``) before it packs round r's records. Under Triton's interpreter
+    (the GPU's path on host tensors, where nothing orders the arena's reuse as a stream
+    would), round r's records must still be whole when packed after that: a round started
+    as far as its records pass would write over them in the arena, and a patch would not
+    land bitwise (or fail its digest)."""
+    _as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(ds, "_GROUP", 6000)  # (a group per piece or two: several per round)
+    shapes = [(f"t{i}", (4096 + 1500 * i,)) for i in range(6)]
+    weights, manifest, snaps, targets = _bf16_model(shapes, 11)
+    for step, fraction in enumerate([None, 0.02, 0.02]):
+        if fraction is not None:
+            _mutate(weights, fraction, 40 + step)
+        items = ds._records(_pieces(weights), manifest, snaps, fraction is None, 1 << 20, [20000, 40000],
+                            marks=True)
+        rounds, made = ds._Rounds(items, 1 << 20), 1
+        buckets, more, error = rounds.take("test")
+        while error is None:
+            if more:
+                assert rounds.ahead("test") is None  # (the next round started before this one is packed)
+            for b in buckets:
+                size = 8 + sum(it.size for it in b)
+                slot = torch.zeros(size, dtype=torch.uint8)
+                ds._fill(slot, b)
+                dr._apply(slot, size, targets, manifest, fraction is None)
+            if not more:
+                break
+            buckets, more, error = rounds.take("test")
+            made += 1
+        assert error is None and made >= 3, (error, made)
+        for w, t in zip(weights, targets, strict=True):
+            assert torch.equal(drec._bits(w.view(-1)), drec._bits(t))
+
+
+def test_a_gpus_checks_read_later_still_name_the_patch(monkeypatch):
+    """A GPU receiver reads a bucket's checks back once it has joined the next round
+    (``_apply(..., later=)``): the writes are launched and the checks kept; a corrupt value
+    still fails, naming the tensor, when they are read; a whole patch's pass."""
+    _as_on_a_gpu(monkeypatch)
+    weights, manifest, targets, recs = _one_percent_patches()
+    slot = torch.zeros(8 + sum(r.size for r in recs), dtype=torch.uint8)
+    ds._fill(slot, recs)
+    sparse = next(i for i, r in enumerate(recs) if r.head[1] == drec.SPARSE)
+    name = SHAPES[recs[sparse].head[0]][0]
+    bad = slot.clone()
+    k = recs[sparse].head[4]
+    at = 8 + len(recs) * drec._HEADER + sum(r.size - drec._HEADER for r in recs[:sparse]) + drec._pad(4 * k)
+    bad[at] ^= 1  # (its first value's low byte, after the trainer took its digest)
+    later: list = []
+    dr._apply(bad, bad.numel(), [t.clone() for t in targets], manifest, False, later=later)
+    assert len(later) == 1  # (nothing raised yet: the writes are in flight)
+    with pytest.raises(dr._Drift, match=f"tensor '{name}'.*do not match the trainer's"):
+        later[0]()
+    later.clear()
+    dr._apply(slot, slot.numel(), targets, manifest, False, later=later)
+    for check in later:
+        check()
+    for w, t in zip(weights, targets, strict=True):
+        assert torch.equal(drec._bits(w.view(-1)), drec._bits(t))

@@ -356,7 +356,7 @@ def _profiled(name: str, rank: int, fn: Any) -> Any:
 def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: Any,
              floor: Any, weightbus: Any, naive: Any = None, delta: Any = None,
              more: dict[str, Any] | None = None) -> tuple[dict[str, list[float]], int]:
-    """The timing loop every scenario shares: one warm-up round, then ``cfg.iters``
+    """The timing loop every scenario shares: one warm-up round (two with delta), then ``cfg.iters``
     rounds of (change the weights, floor, [naive], weightbus, [delta], then each of
     ``more`` in order: name -> call). Returns the times and the transient device memory
     of the weightbus calls at their peak."""
@@ -366,7 +366,11 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
     times: dict[str, list[float]] = {"floor": [], "weightbus": []} | ({"naive": []} if naive else {}) \
         | ({"delta": []} if delta is not None else {}) | {k: [] for k in more}
     peak = 0
-    for it in range(cfg.iters + 1):  # the first round warms up (NCCL channels, allocator)
+    # the first round warms up (NCCL channels, allocator); with delta a second: the first's
+    # delta update is full (nothing held yet), so the second is its first delta, which
+    # compiles the diff and apply kernels (seconds on a GPU; it was timed as a round before)
+    warm = 2 if delta is not None else 1
+    for it in range(1 - warm, cfg.iters + 1):
         mutate()
         got = {"floor": _timed(rdv, device, floor)}
         if naive:
@@ -377,11 +381,11 @@ def _measure(cfg: BenchConfig, rdv: Rendezvous, device: torch.device, mutate: An
         if delta is not None:
             got["delta"], delta_peak = _timed_peak(
                 rdv, device, _profiled("delta", rdv.rank, delta) if it == cfg.iters else delta)
-            if it:  # (the warm-up round allocates the snapshots, counted apart)
+            if it > 0:  # (the warm-up round allocates the snapshots, counted apart)
                 times.setdefault("delta_peak", [0.0])[0] = max(times.get("delta_peak", [0.0])[0], delta_peak)
         for k, fn in more.items():
             got[k] = _timed(rdv, device, _profiled(k, rdv.rank, fn) if it == cfg.iters else fn)
-        if it:
+        if it > 0:
             for k, v in got.items():
                 times[k].append(v)  # (delta_peak is kept apart: a maximum, not a timing)
     return times, peak

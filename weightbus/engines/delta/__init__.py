@@ -10,7 +10,7 @@ Per update, after the core's header:
 
 1. **Agree.** Every rank says which version it holds (trainer ranks: the version of their
    snapshot; receivers: the version they hold whole, and a chain digest of every patch they
-   applied since their last full update). Two small all-reductions: a delta goes only if
+   applied since their last full update). One small all-reduction: a delta goes only if
    every rank holds the same version and every receiver the same chain; otherwise the
    update is *full* (a late joiner, a receiver that missed or failed an update).
 2. **Diff where the bytes are.** Trainer rank r takes its piece of every tensor: its own
@@ -21,11 +21,15 @@ Per update, after the core's header:
    positions + values, bitmap + values, or dense values, whichever is smallest; a full
    update sends dense records.
 3. **Move.** Records are packed whole into buckets; the ranks agree on every bucket's size
-   (two more small max-reductions: the counts, then the sizes) and the engine's own
-   transport moves them (bucket b from trainer b mod T, as every update), trailers checked
-   on every receiver. An update goes in rounds (:func:`_budget`): each round's records are
-   made, agreed on and sent, and the next round is diffed while they move and are applied;
-   the records' arena holds one round.
+   (one more small max-reduction per round: the counts, the flags and the first sizes)
+   and the engine's own transport moves them (bucket b from trainer b mod T, as every
+   update), trailers checked on every receiver. An update goes in rounds
+   (:func:`.sender._budget`, the last one small: it is the update's tail): each round's
+   records are made, agreed on and sent, and the next round is diffed while they move and
+   are applied; on a GPU its first diff is launched before the last round is agreed on,
+   so the device works through the agreement. The device's records' arena holds one
+   round. A GPU receiver reads a round's checks back once it has joined the next round's
+   agreement (and before a slot takes another bucket): its writes run meanwhile.
 4. **Apply, verify.** A receiver writes every record into its destination tensors in place
    (``set_destinations``; the manager's workers set them from their sink). Each delta
    record carries ``sum(w(pos) * (new - old))`` over its positions, ``old`` being the

@@ -257,32 +257,40 @@ class Diff:
         return torch.stack([kind, k, digest, offset, nbytes], 1), out
 
 
-def apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+def apply_many(rows: torch.Tensor, device: torch.device, wait: bool = True) -> Any:
     """Write every record, a host row ``[kind, dst address, n, e, start, positions or bitmap
     address, values address, k]`` of ``rows`` (int64, addresses on ``device``, one element
     size). Returns ``[our digest, status]`` per record, on the host, as
     ``cpu.apply_many``: status for positions, -1 or the first position out of
-    range; for a bitmap, its set bits (-1: a bit past its n); else 0."""
+    range; for a bitmap, its set bits (-1: a bit past its n); else 0. ``wait=False``:
+    returns at once a function that returns them (the writes and their read-back in
+    flight: the caller goes on, to the next round's agreement, while the device works)."""
     with _on(device):
-        return _apply_many(rows, device)
+        got = _apply_many(rows, device)
+    return got if not wait else got()
 
 
-def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _apply_many(rows: torch.Tensor, device: torch.device) -> Any:
     ks = kernels()
     table = rows.contiguous()
     sizes = table[:, 3].unique()
     if len(sizes) > 1:  # (a launch per element size)
-        out = torch.empty(len(table), 2, dtype=torch.int64)
-        for e in sizes.tolist():
-            these = (table[:, 3] == e).nonzero().squeeze(1)
-            out[these] = _apply_many(table[these], device)
-        return out
+        parts = [((table[:, 3] == e).nonzero().squeeze(1), None) for e in sizes.tolist()]
+        parts = [(these, _apply_many(table[these], device)) for these, _ in parts]
+
+        def assembled() -> torch.Tensor:
+            out = torch.empty(len(table), 2, dtype=torch.int64)
+            for these, got in parts:
+                out[these] = got()
+            return out
+        return assembled
     kind, n, e, k = table[:, 0], table[:, 2], int(table[0, 3]), table[:, 7]
     tab = table.to(device, non_blocking=True)
     lay = _WholeFirst(torch.where(kind == _SPARSE, k, n), device)  # (blocks over values, or over n)
     item, off = lay.item, lay.off
     if not len(item):  # (records with nothing to write: a directory may say so)
-        return torch.stack([torch.zeros_like(kind), torch.where(kind == _SPARSE, -1, 0)], 1)
+        empty = torch.stack([torch.zeros_like(kind), torch.where(kind == _SPARSE, -1, 0)], 1)
+        return lambda: empty
     grid = (len(item),)
     bits = torch.empty(len(item), dtype=torch.int64, device=device)
     if bool((kind == _BITMAP).any()):
@@ -297,10 +305,21 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     ours = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, partial)
     got = torch.zeros(R, dtype=torch.int64, device=device).index_add_(0, item, bits)
     worst = torch.full((R,), 1 << 62, dtype=torch.int64, device=device).scatter_reduce_(0, item, bad, "amin")
-    out = torch.stack([ours, got, worst], 1).cpu()
-    status = torch.where(kind == _SPARSE, torch.where(out[:, 2] >= 1 << 62, -1, out[:, 2]),
-                         torch.where(kind == _BITMAP, out[:, 1].clamp(min=-1), 0))
-    return torch.stack([out[:, 0], status], 1)
+    back, done = torch.stack([ours, got, worst], 1), None
+    if back.is_cuda:  # (read back into pinned memory behind the writes; waited for when asked)
+        back, done = torch.empty(R, 3, dtype=torch.int64, pin_memory=True).copy_(back, non_blocking=True), \
+            torch.cuda.Event()
+        done.record()
+    else:  # (Triton's interpreter: done already)
+        back = back.cpu()
+
+    def result() -> torch.Tensor:
+        if done is not None:
+            done.synchronize()
+        status = torch.where(kind == _SPARSE, torch.where(back[:, 2] >= 1 << 62, -1, back[:, 2]),
+                             torch.where(kind == _BITMAP, back[:, 1].clamp(min=-1), 0))
+        return torch.stack([back[:, 0], status], 1)
+    return result
 
 
 _SPAN = 16 * BLOCK  # elements per program of the whole-destination digest (its 32-bit sums allow 16 blocks)

@@ -45,15 +45,20 @@ class Engine(Protocol):
 
 
 def _agree(engine: Engine, held: int | None, chain: int | None) -> bool:
-    """Whether every rank holds the same version (and every receiver the same chain): two
-    max-reductions, of the values and of their negations."""
+    """Whether every rank holds the same version (and every receiver the same chain): one
+    max-reduction of the values and of their negations."""
     v = -1 if held is None else held
     c = _NEUTRAL if chain is None else chain
-    hi = torch.tensor([v, c], dtype=torch.int64)
-    lo = torch.tensor([-v, _NEUTRAL if chain is None else -c], dtype=torch.int64)
-    engine._reduce_max(hi, "delta: agreeing on the version held")
-    engine._reduce_max(lo, "delta: agreeing on the version held")
-    return hi[0].item() >= 1 and hi[0].item() == -lo[0].item() and hi[1].item() == -lo[1].item()
+    both = torch.tensor([v, c, -v, _NEUTRAL if chain is None else -c], dtype=torch.int64)
+    engine._reduce_max(both, "delta: agreeing on the version held")
+    hi, lo = both[:2].tolist(), both[2:].tolist()
+    return hi[0] >= 1 and hi[0] == -lo[0] and hi[1] == -lo[1]
+
+
+#: bucket sizes per trainer rank that travel with a round's counts and flags, in its one
+#: max-reduction (a round of more buckets on some rank takes a second, for all of them):
+#: a round is a quarter of a rank's pieces by default, a few buckets
+_SIZES_AHEAD = 8
 
 
 def _plan(engine: Engine, mine: list[int], before: list[Bucket], more: bool = False,
@@ -61,20 +66,28 @@ def _plan(engine: Engine, mine: list[int], before: list[Bucket], more: bool = Fa
     """The buckets of one round of a delta update (bucket b from trainer b mod T, as
     always; numbered on from ``before``, the rounds' so far), from each trainer rank's
     bucket sizes, and whether another round follows (a trainer rank has pieces left, and
-    none failed): two max-reductions (the counts and flags, then the sizes)."""
-    T = engine.n_senders
+    none failed): one max-reduction of the counts, the flags and up to ``_SIZES_AHEAD``
+    sizes per rank (each control round trip is ~0.5 ms of a GPU update's critical path);
+    a second of every size where some rank has more."""
+    T, W = engine.n_senders, _SIZES_AHEAD
     rank = engine.trainer_rank if engine.role == "trainer" else -1
-    head = torch.zeros(T + 2, dtype=torch.int64)
+    head = torch.zeros(T + 2 + T * W, dtype=torch.int64)
     if rank >= 0:
         head[rank], head[T], head[T + 1] = len(mine), int(more), int(failed)
+        ahead = mine[:W]
+        head[T + 2 + rank * W:T + 2 + rank * W + len(ahead)] = torch.tensor(ahead, dtype=torch.int64)
     engine._reduce_max(head, "delta: agreeing on the buckets")
     most = max(1, int(head[:T].max().item()))
-    sizes = torch.zeros(T, most, dtype=torch.int64)
-    if rank >= 0 and mine:
-        sizes[rank, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    engine._reduce_max(sizes.view(-1), "delta: agreeing on the buckets")
+    if most <= W:
+        sizes = head[T + 2:].view(T, W)
+    else:
+        sizes = torch.zeros(T, most, dtype=torch.int64)
+        if rank >= 0 and mine:
+            sizes[rank, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        engine._reduce_max(sizes.view(-1), "delta: agreeing on the buckets")
+    grid = sizes.tolist()
     first, turn = (before[-1].index + 1, before[-1].turn + 1) if before else (0, 0)
-    plan = [Bucket(first + k * T + r, r, (), int(sizes[r, k].item()), turn + k)
+    plan = [Bucket(first + k * T + r, r, (), grid[r][k], turn + k)
             for k in range(most) for r in range(T)]
     return plan, bool(head[T].item()) and not head[T + 1].item()
 

@@ -63,9 +63,22 @@ def receive(engine: Engine, version: int, manifest: Manifest,
     check = WholeCheck(engine, chain, targets if error is None else [], full)
     moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if check.on and not full else None
     every: list[Bucket] = []  # every round's buckets
+    later: list[Any] = []  # the checks of patches still being written (a GPU's)
+
+    def settled() -> None:  # (before a slot takes another bucket, and at the end)
+        nonlocal error
+        while later:
+            try:
+                later.pop(0)()
+            except _Drift as e:
+                error = error or f"{engine.where()}: {e}"
+            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+                error = error or f"{engine.where()}: applying a delta bucket: {e}"
+
     go_on = True
     while go_on:
-        plan, go_on = _plan(engine, [], every)
+        plan, go_on = _plan(engine, [], every)  # (joined while the last round's patches are written)
+        settled()
         for b in plan[: engine.num_buffers]:
             engine._post_recv(b)
         for i, b in enumerate(plan):
@@ -78,15 +91,17 @@ def receive(engine: Engine, version: int, manifest: Manifest,
                 check.before_writes()
                 try:
                     with torch.no_grad():  # destinations may be parameters
-                        applied += _apply(slot, b.used, targets, manifest, full, moved)
+                        applied += _apply(slot, b.used, targets, manifest, full, moved, later)
                 except _Drift as e:
                     error = f"{engine.where()}: {e}"
                 except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
                     error = f"{engine.where()}: applying bucket {b.index}: {e}"
             engine._release(b)
             if i + engine.num_buffers < len(plan):
+                settled()
                 engine._post_recv(plan[i + engine.num_buffers])
         every += plan
+    settled()
     engine._flush_recv(_PlanView(every))
     error = check.finish(targets, manifest, version, moved, error)
     if error is None:
@@ -285,12 +300,14 @@ def _targets(engine: Engine, manifest: Manifest, dest: dict[str, torch.Tensor]
 
 
 def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest, full: bool,
-           moved: torch.Tensor | None = None) -> int:
+           moved: torch.Tensor | None = None, later: list[Any] | None = None) -> int:
     """Write every record of a bucket into its target; returns the sum of their digests,
     and adds each into its tensor's entry of ``moved`` (where given).
     Reads the directory once and checks every digest (and position) at once at the end:
     host tensors by the C kernels, a call per thread for the whole bucket; others by
-    torch ops."""
+    torch ops. ``later``: where a GPU's checks wait for its writes, they are appended
+    here instead, to be called (each raises ``_Drift`` as ``_apply`` would) before the
+    bucket's slot is used again and before the update ends."""
     if used < 8:
         return 0
     count = int(slot[:8].view(torch.int64).item())
@@ -307,8 +324,9 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
             return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
                                  manifest, moved)
         if gpu.usable(slot) is not None:
-            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device), slot, used, count, targets,
-                                 manifest, moved)
+            wait = later is None
+            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device, wait), slot, used, count,
+                                 targets, manifest, moved, later)
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
@@ -366,11 +384,12 @@ def _mismatch(head: list[int], manifest: Manifest) -> _Drift:
 
 
 def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, targets: _Targets,
-                  manifest: Manifest, moved: torch.Tensor | None) -> int:
+                  manifest: Manifest, moved: torch.Tensor | None, later: list[Any] | None = None) -> int:
     """``_apply`` by the kernels (C on a host, Triton on a GPU): the directory read once,
     checked and laid out by tensor ops (no Python per record: models have tens of thousands
     of tensors), every record written by ``apply_rows`` (a row per record, see
-    ``cpu.apply_many``), then every check at once."""
+    ``cpu.apply_many``; or a function that returns those, the writes in flight), then every
+    check at once (or, the writes in flight and ``later`` given, appended to it)."""
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).cpu()
     index, kind, start, n, k, digest = heads.unbind(1)
 
@@ -393,14 +412,23 @@ def _apply_listed(apply_rows: Any, slot: torch.Tensor, used: int, count: int, ta
         raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a delta record runs past its bucket")
     at = slot.data_ptr() + end - values - where  # each record's first byte
     rows = torch.stack([kind, targets.addr[index] + start * e, n, e, start, at, at + where, k], 1)
-    ours, status = apply_rows(rows).unbind(1)
-    miscounted = bitmap & (status != k)
-    if (h := first(miscounted)) is not None:
-        got = int(status[int(miscounted.nonzero()[0, 0])])
-        raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a patch of elements [{h[2]}, {h[2] + h[3]}) "
-                     f"says {h[4]} changes but its bitmap has {'bits past its end' if got < 0 else got}")
-    if (h := first((sparse & (status >= 0)) | ((kind != FULL) & (ours != digest)))) is not None:
-        raise _mismatch(h, manifest)
+    got = apply_rows(rows)
+
+    def check() -> None:
+        ours, status = (got() if callable(got) else got).unbind(1)
+        miscounted = bitmap & (status != k)
+        if (h := first(miscounted)) is not None:
+            seen = int(status[int(miscounted.nonzero()[0, 0])])
+            raise _Drift(f"tensor {manifest.metas[h[0]].name!r}: a patch of elements [{h[2]}, {h[2] + h[3]}) "
+                         f"says {h[4]} changes but its bitmap has {'bits past its end' if seen < 0 else seen}"
+                         )
+        if (h := first((sparse & (status >= 0)) | ((kind != FULL) & (ours != digest)))) is not None:
+            raise _mismatch(h, manifest)
+
+    if callable(got) and later is not None:
+        later.append(check)
+    else:
+        check()
     patch = kind != FULL
     if moved is not None:
         moved.index_add_(0, index[patch], digest[patch])

@@ -3,6 +3,7 @@ the records, pack them into buckets round by round (see the package's docstring)
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,10 @@ from weightbus.engines.delta.protocol import Engine, _agree, _plan, _PlanView
 from weightbus.packing import buffers, native
 from weightbus.plan import TRAILER_BYTES, Bucket, Manifest, share_of
 
+#: yielded by ``_records(..., marks=True)`` once a round's first GPU diff is launched and
+#: nothing of the round waited for: the sender agrees on and sends the last round meanwhile
+LAUNCHED = object()
+
 
 class Snapshots:
     """What a trainer rank sent last, per piece, in the wire dtype, on the piece's device."""
@@ -60,9 +65,13 @@ class Snapshots:
         self.tables.clear()
         self.generation += 1
 
-    def reset(self) -> None:
-        """A new update: the last one's records are sent, their arenas free again."""
-        self.arenas.reset()
+    def reset(self, host: bool = True) -> None:
+        """A new update (or, ``host=False``, round): the last one's records are sent, their
+        arenas free again. A round leaves the host's arenas alone: the sender starts the next
+        round before it packs the last one's records (a GPU's next writes queue behind that
+        packing; a host's kernels would write at once), so they hold an update's records."""
+        if host:
+            self.arenas.reset()
         for a in self.device_arenas.values():
             a.reset()
 
@@ -369,13 +378,14 @@ def table_for(snaps: Snapshots, where: Any, key: list[Any], ptrs: np.ndarray | N
 
 
 def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest, snaps: Snapshots,
-             full: bool, capacity: int, budget: int | None = None, table: DiffTable | None = None
-             ) -> Iterator[Record | Block | None]:
-    """The records of every piece, in order. With ``budget``, in rounds of pieces of about
-    that many bytes: every record of a round is made, then None is yielded; the caller
-    sends the round's records before it asks for more (their arenas are reused). With a
-    ``table`` (:func:`table_for`): replayed where it holds the calls already (``pieces``
-    is not read), else made while the pieces are diffed."""
+             full: bool, capacity: int, budget: list[int] | None = None, table: DiffTable | None = None,
+             marks: bool = False) -> Iterator[Record | Block | object | None]:
+    """The records of every piece, in order. With ``budget``, in rounds: round k ends at the
+    first piece past ``budget[k]`` bytes of pieces in all (past the list, the rounds go on
+    in steps of its last one); every record of a round is made, then None is yielded; the
+    caller sends the round's records before it asks for more (their arenas are reused). With a ``table``
+    (:func:`table_for`): replayed where it holds the calls already (``pieces`` is not
+    read), else made while the pieces are diffed. ``marks``: :data:`LAUNCHED` yielded too."""
     snaps.reset()
     host = kernels.usable(torch.empty(0)) if not full else None  # the C kernels, for host pieces
     jobs = kernels.Jobs()  # their calls, on their threads
@@ -384,7 +394,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
     groups: dict[tuple[torch.device, int], _Batch] = {}  # device pieces diffed together, by element size
     in_flight: deque[tuple[_Batch, gpu.Diff]] = deque()  # groups whose GPU diff runs
     if table is not None and table.steps and not full:  # (the calls of the same pieces, made before)
-        yield from _replay(table, host, jobs, snaps)
+        yield from _replay(table, host, jobs, snaps, marks)
         return
     steps = table.steps if table is not None and not full else None
     tabled = steps is not None  # (until a piece takes a path a replay would not repeat)
@@ -394,15 +404,15 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
 
     metas, pieces_held = manifest.metas, snaps.pieces
     parts: dict[tuple[int, bool], int] = {}  # (element size, host) -> elements of a part
-    taken = 0  # bytes of this round's pieces
+    taken, k = 0, 0  # bytes of the pieces so far; the round
     for index, start, piece in pieces:
-        if budget is not None and taken >= budget:  # (and a piece follows: a round ends)
+        if budget is not None and taken >= _round_end(budget, k):  # (and a piece follows)
             if steps is not None:
                 steps += [*drained(), None]
-            yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
-            batch, taken = _Batch(), 0
+            yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight, marks)
+            batch, k = _Batch(), k + 1
             yield None
-            snaps.reset()
+            snaps.reset(host=False)
         meta = metas[index]
         cur = _flat(piece, meta.dtype)  # (every part below is flat)
         copied = piece.dtype != meta.dtype or not piece.is_contiguous()  # (cur: a copy, made per update)
@@ -440,7 +450,7 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
                 if group.elements >= _GROUP:
                     if steps is not None:
                         steps.append((False, group))
-                    yield from _flush(group, snaps, in_flight)
+                    yield from _flush(group, snaps, in_flight, marks)
                     del groups[where]
                 continue
             else:
@@ -453,11 +463,19 @@ def _records(pieces: Iterator[tuple[int, int, torch.Tensor]], manifest: Manifest
             table.generation = snaps.generation  # type: ignore[union-attr]
         else:
             steps.clear()
-    yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight)
+    yield from _drain(host, jobs, batch, sent, groups, snaps, in_flight, marks)
 
 
-def _replay(table: DiffTable, host: Any, jobs: kernels.Jobs, snaps: Snapshots
-            ) -> Iterator[Record | Block | None]:
+def _round_end(budget: list[int], k: int) -> int:
+    """Bytes of pieces in all at which round ``k`` ends (see ``_records``)."""
+    if k < len(budget):
+        return budget[k]
+    step = budget[-1] - (budget[-2] if len(budget) > 1 else 0)
+    return budget[-1] + (k + 1 - len(budget)) * max(1, step)
+
+
+def _replay(table: DiffTable, host: Any, jobs: kernels.Jobs, snaps: Snapshots, marks: bool = False
+            ) -> Iterator[Record | Block | object | None]:
     """``_records`` from a table: its kernel calls again, in order, its rounds where they were
     (the parts that are copies made again first)."""
     sent: deque[_Batch] = deque()
@@ -466,7 +484,7 @@ def _replay(table: DiffTable, host: Any, jobs: kernels.Jobs, snaps: Snapshots
         if step is None:  # (a round ends)
             yield from _drain(host, jobs, _Batch(), sent, {}, snaps, in_flight)
             yield None
-            snaps.reset()
+            snaps.reset(host=False)
             continue
         on_host, batch = step
         batch.restage()
@@ -475,13 +493,14 @@ def _replay(table: DiffTable, host: Any, jobs: kernels.Jobs, snaps: Snapshots
             for done in jobs.submit(_diff_batch, host, batch, snaps.arenas):
                 yield from _batch_records(sent.popleft(), done)
         else:
-            yield from _flush(batch, snaps, in_flight)
+            yield from _flush(batch, snaps, in_flight, marks)
     yield from _drain(host, jobs, _Batch(), sent, {}, snaps, in_flight)
 
 
 def _drain(host: Any, jobs: kernels.Jobs, batch: _Batch, sent: deque[_Batch],
            groups: dict[tuple[torch.device, int], _Batch], snaps: Snapshots,
-           in_flight: deque[tuple[_Batch, gpu.Diff]]) -> Iterator[Record | Block]:
+           in_flight: deque[tuple[_Batch, gpu.Diff]], marks: bool = False
+           ) -> Iterator[Record | Block | object]:
     """The records of every piece taken so far: the last host batch, the kernel calls in
     flight, the GPU groups (those not yet full, then those diffing)."""
     if len(batch):
@@ -491,7 +510,7 @@ def _drain(host: Any, jobs: kernels.Jobs, batch: _Batch, sent: deque[_Batch],
     for done in jobs.drain():
         yield from _batch_records(sent.popleft(), done)
     for group in groups.values():
-        yield from _flush(group, snaps, in_flight)
+        yield from _flush(group, snaps, in_flight, marks)
     groups.clear()
     while in_flight:
         group, diffing = in_flight.popleft()
@@ -503,11 +522,12 @@ def _grouped(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _flush(group: _Batch, snaps: Snapshots, in_flight: deque[tuple[_Batch, gpu.Diff]]
-           ) -> Iterator[Record | Block]:
+def _flush(group: _Batch, snaps: Snapshots, in_flight: deque[tuple[_Batch, gpu.Diff]], marks: bool = False
+           ) -> Iterator[Record | Block | object]:
     """A group of device pieces, full: by the GPU kernels, its diff started and the one
     before it finished (the GPU diffs this group while the host lays that one out); else
-    by torch ops (:func:`_encode_group`)."""
+    by torch ops (:func:`_encode_group`). ``marks``: :data:`LAUNCHED` after a launch
+    with nothing else in flight (a round's first)."""
     if not len(group):
         return
     if gpu.usable(group.parts[0]) is None:  # (parts of a group: flat, of one device)
@@ -516,6 +536,8 @@ def _flush(group: _Batch, snaps: Snapshots, in_flight: deque[tuple[_Batch, gpu.D
     device = group.parts[0].device
     in_flight.append((group, gpu.Diff(group.columns()[[0, 1, 2, 4]], group.e[0], device,
                                       snaps.device_arena(device), snaps.layouts)))
+    if marks and len(in_flight) == 1:
+        yield LAUNCHED
     while len(in_flight) > 1:
         done, diffing = in_flight.popleft()
         yield from _batch_records(done, diffing.finish())
@@ -556,25 +578,29 @@ def send(engine: Engine, manifest: Manifest, stream: Any, version: int,
     round's buckets go out, then the next round is diffed while they move and are applied."""
     snaps: Snapshots = engine._snapshots  # type: ignore[attr-defined]
     held = snaps.version if snaps.fingerprint == manifest.fingerprint else None
+    # (looked up before the agreement, which waits for the receivers: they leave the header later)
+    table = None
+    if error is None and stream is not None:
+        try:
+            table = _table(stream, snaps)
+        except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+            error = f"{engine.where()}: looking at the source's tensors: {e}"
     full = engine.last_full = not _agree(engine, held, None)
     snaps.version = None  # until this update completes
     capacity = engine.bucket_size - TRAILER_BYTES - 8
     items: Iterator[Record | Block | None] | None = None
     if error is None and stream is not None:
         items = _records(pieces_of(stream, engine.trainer_rank, engine.n_senders), manifest, snaps, full,
-                         capacity - 8, _budget(engine, manifest), _table(stream, snaps))
+                         capacity - 8, _budget(engine, manifest), table, marks=True)
     every: list[Bucket] = []  # every round's buckets
     wire, go_on = 0, True
+    rounds = _Rounds(items, capacity) if items is not None else None
+    mine, more = [], False  # this rank's buckets of the round (its records in them), whether one follows
+    if error is None and rounds is not None:
+        mine, more, error = rounds.take(engine.where())
     while go_on:
-        mine: list[list[Record | Block]] = []  # this rank's buckets of this round
-        more = False
-        if error is None and items is not None:
-            try:
-                with torch.no_grad():
-                    mine, more = _round(items, capacity)
-            except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                error = f"{engine.where()}: taking the delta of the weights: {e}"
-                mine, more = [], False
+        if more and error is None:  # (the next round's first diff runs while this one is agreed and sent)
+            error = rounds.ahead(engine.where())  # type: ignore[union-attr]
         sizes = [8 + sum(r.size for r in b) for b in mine]
         plan, go_on = _plan(engine, sizes, every, more, error is not None)
         for b in plan:
@@ -589,6 +615,9 @@ def send(engine: Engine, manifest: Manifest, stream: Any, version: int,
             engine._send(b, slot)
             wire += b.wire_bytes
         every += plan
+        mine, more = [], False
+        if go_on and error is None:
+            mine, more, error = rounds.take(engine.where())  # type: ignore[union-attr]
     if items is not None:
         items.close()  # (after a failure: its kernel calls and arenas let go)
     engine._flush_send(_PlanView(every))
@@ -612,34 +641,68 @@ def _table(stream: Any, snaps: Snapshots) -> DiffTable | None:
                      lambda: all(map(torch.Tensor.is_contiguous, held)), identity=False)
 
 
-def _budget(engine: Engine, manifest: Manifest) -> int | None:
-    """Bytes of pieces per round on each trainer rank (None: one round). Each round is at
-    least a bucket of pieces; its records are all the arena holds, and the next round is
-    diffed while it moves and is applied. ``WEIGHTBUS_DELTA_ROUNDS`` rounds, by default 4
-    where buckets are on a GPU (the trainer's GPU diffs while the receivers' GPUs apply)
-    and 1 on hosts, where the diff and the apply share the cores (our 2-core box, 0.6b, 2 %
-    changed: 1 round 0.31-0.36x of the dense update, 4 rounds 0.36-0.40x)."""
+def _budget(engine: Engine, manifest: Manifest) -> list[int] | None:
+    """Where each trainer rank's rounds end, in bytes of its pieces in all (None: one
+    round; see ``_records``). Each round is at least a bucket of pieces; its records are
+    all the arena holds, and the next round is diffed while it moves and is applied.
+    ``WEIGHTBUS_DELTA_ROUNDS`` rounds, by default 4 where buckets are on a GPU (the
+    trainer's GPU diffs while the receivers' GPUs apply) and 1 on hosts, where the diff and
+    the apply share the cores (our 2-core box, 0.6b, 2 % changed: 1 round 0.31-0.36x of the
+    dense update, 4 rounds 0.36-0.40x). The last round is a quarter of the others: what
+    the receivers apply after the trainers' last diff is the update's tail (8b over
+    NVLink, 4 equal rounds: 4.5-7 ms of 28-43)."""
     rounds = config.env_integer("WEIGHTBUS_DELTA_ROUNDS", minimum=1, maximum=1024)
     if rounds is None:
         rounds = 4 if engine.device.type == "cuda" else 1
     if rounds == 1:
         return None
-    return max(engine.bucket_size, -(-manifest.nbytes // (engine.n_senders * rounds)))
+    share = -(-manifest.nbytes // engine.n_senders)
+    unit = max(engine.bucket_size, int(share / (rounds - 0.75)))
+    return [unit * (k + 1) for k in range(rounds - 1)]
 
 
-def _round(items: Iterator[Record | Block | None], capacity: int) -> tuple[list[list[Record | Block]], bool]:
-    """The buckets of the next round's records, and whether a round follows."""
-    follows = False
+class _Rounds:
+    """The sender's rounds of records, bucket by bucket (``_records`` made with marks)."""
 
-    def upto() -> Iterator[Record | Block]:
-        nonlocal follows
-        for it in items:
-            if it is None:
-                follows = True
-                return
-            yield it
+    def __init__(self, items: Iterator[Record | Block | object | None], capacity: int) -> None:
+        self.items, self.capacity = items, capacity
+        self.early: list[Any] = []  # the next round's items, taken while it was started
 
-    return list(_buckets(upto(), capacity)), follows
+    def ahead(self, where: str) -> str | None:
+        """The next round started: its items taken until its first GPU diff is launched (or
+        it makes anything: then it runs on before the sends; a host's rounds). Returns the
+        error that stopped it, if any."""
+        try:
+            with torch.no_grad():
+                for it in self.items:
+                    if it is not LAUNCHED:
+                        self.early.append(it)
+                    return None
+        except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+            return f"{where}: taking the delta of the weights: {e}"
+        return None
+
+    def take(self, where: str) -> tuple[list[list[Record | Block]], bool, str | None]:
+        """The buckets of the next round's records, whether a round follows, and the error
+        that stopped it (None: none)."""
+        follows = False
+
+        def upto() -> Iterator[Record | Block]:
+            nonlocal follows
+            early, self.early = self.early, []
+            for it in itertools.chain(early, self.items):
+                if it is LAUNCHED:
+                    continue
+                if it is None:
+                    follows = True
+                    return
+                yield it  # type: ignore[misc]
+
+        try:
+            with torch.no_grad():
+                return list(_buckets(upto(), self.capacity)), follows, None
+        except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
+            return [], False, f"{where}: taking the delta of the weights: {e}"
 
 
 def _fill(slot: torch.Tensor, items: list[Record | Block]) -> None:
