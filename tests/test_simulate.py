@@ -33,8 +33,9 @@ GiB = 1 << 30
 # constants wait for 2-GPU rows. Delta rows (delta: a fraction, or (fraction, verify_every)):
 # 8b end to end on 2xH200 (RESULTS, "Delta, round eleven": this code, its warm-up no longer
 # timed; with the check off, "round ten": 78094ab and 764746d's day); the rows with the check at
-# the update's end (43.8-67.7 ms) measured code that no longer runs. 30b-a3b/24's delta end to end (56-106 ms over runs and settings) is not
-# held: the model has no term for the rounds' waits on each other, which its many tensors show.
+# the update's end (43.8-67.7 ms) measured code that no longer runs. 30b-a3b/24's delta end to
+# end (56-106 ms over runs and settings) is not held: the model has no term for the rounds'
+# waits on each other, which its many tensors show.
 D, C, H = Layout(1, 1), Layout(1, 1, colocated=True), Layout(2, 2, colocated=True)
 ROWS = [
     ("plan d06: disaggregated 0.6b bf16", "0.6b", None, D, "nccl", BF16, None, (6.9, 6.5, 6.3)),
