@@ -275,8 +275,8 @@ def _apply_many(rows: torch.Tensor, device: torch.device) -> Any:
     table = rows.contiguous()
     sizes = table[:, 3].unique()
     if len(sizes) > 1:  # (a launch per element size)
-        parts = [((table[:, 3] == e).nonzero().squeeze(1), None) for e in sizes.tolist()]
-        parts = [(these, _apply_many(table[these], device)) for these, _ in parts]
+        each = [(table[:, 3] == e).nonzero().squeeze(1) for e in sizes.tolist()]
+        parts = [(these, _apply_many(table[these], device)) for these in each]
 
         def assembled() -> torch.Tensor:
             out = torch.empty(len(table), 2, dtype=torch.int64)

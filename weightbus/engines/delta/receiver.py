@@ -63,17 +63,20 @@ def receive(engine: Engine, version: int, manifest: Manifest,
     check = WholeCheck(engine, chain, targets if error is None else [], full)
     moved = torch.zeros(len(manifest.metas), dtype=torch.int64) if check.on and not full else None
     every: list[Bucket] = []  # every round's buckets
-    later: list[Any] = []  # the checks of patches still being written (a GPU's)
+    later: list[Any] = []  # the checks of patches still being written (a GPU's), with their buckets
+
+    def failed(e: Exception, index: int) -> str:
+        return f"{engine.where()}: {e}" if isinstance(e, _Drift) else \
+            f"{engine.where()}: applying bucket {index}: {e}"
 
     def settled() -> None:  # (before a slot takes another bucket, and at the end)
         nonlocal error
         while later:
+            index, checked = later.pop(0)
             try:
-                later.pop(0)()
-            except _Drift as e:
-                error = error or f"{engine.where()}: {e}"
+                checked()
             except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                error = error or f"{engine.where()}: applying a delta bucket: {e}"
+                error = error or failed(e, index)
 
     go_on = True
     while go_on:
@@ -89,13 +92,13 @@ def receive(engine: Engine, version: int, manifest: Manifest,
             if error is None:
                 engine.version = None  # from the first byte written on, the old version is gone
                 check.before_writes()
+                checks: list[Any] = []
                 try:
                     with torch.no_grad():  # destinations may be parameters
-                        applied += _apply(slot, b.used, targets, manifest, full, moved, later)
-                except _Drift as e:
-                    error = f"{engine.where()}: {e}"
+                        applied += _apply(slot, b.used, targets, manifest, full, moved, checks)
                 except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-                    error = f"{engine.where()}: applying bucket {b.index}: {e}"
+                    error = failed(e, b.index)
+                later += [(b.index, c) for c in checks]
             engine._release(b)
             if i + engine.num_buffers < len(plan):
                 settled()
@@ -324,9 +327,8 @@ def _apply(slot: torch.Tensor, used: int, targets: list[Any], manifest: Manifest
             return _apply_listed(lambda rows: kernels.apply_many(lib, rows), slot, used, count, targets,
                                  manifest, moved)
         if gpu.usable(slot) is not None:
-            wait = later is None
-            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device, wait), slot, used, count,
-                                 targets, manifest, moved, later)
+            return _apply_listed(lambda rows: gpu.apply_many(rows, slot.device, wait=False), slot, used,
+                                 count, targets, manifest, moved, later)
     heads = slot[8:8 + count * _HEADER].view(torch.int64).view(count, _WORDS).tolist() if count else []
     offset, total = 8 + count * _HEADER, 0
     checks: list[tuple[int, Any, int]] = []  # (record, our digest, theirs)
