@@ -674,12 +674,11 @@ class _Rounds:
         error that stopped it, if any."""
         try:
             with torch.no_grad():
-                for it in self.items:
-                    if it is not LAUNCHED:
-                        self.early.append(it)
-                    return None
+                it = next(self.items, LAUNCHED)  # (none left: nothing to start)
         except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-            return f"{where}: taking the delta of the weights: {e}"
+            return _failed(where, e)
+        if it is not LAUNCHED:
+            self.early.append(it)
         return None
 
     def take(self, where: str) -> tuple[list[list[Record | Block]], bool, str | None]:
@@ -702,7 +701,11 @@ class _Rounds:
             with torch.no_grad():
                 return list(_buckets(upto(), self.capacity)), follows, None
         except Exception as e:  # noqa: BLE001 - this update's failure, on every rank
-            return [], False, f"{where}: taking the delta of the weights: {e}"
+            return [], False, _failed(where, e)
+
+
+def _failed(where: str, e: Exception) -> str:
+    return f"{where}: taking the delta of the weights: {e}"
 
 
 def _fill(slot: torch.Tensor, items: list[Record | Block]) -> None:
