@@ -1,5 +1,5 @@
 """``python -m weightbus``: the same command line as ``weightbus``."""
 
-from weightbus.tools.cli import main
+from weightbus.tools.cli import entry
 
-raise SystemExit(main())
+entry()
