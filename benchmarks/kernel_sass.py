@@ -39,10 +39,9 @@ from triton.tools.disasm import get_sass, path_to_cuobjdump  # noqa: E402
 from weightbus.engines.delta import gpu  # noqa: E402
 
 KERNELS = Path(gpu.__file__).with_name("gpu_triton.py")
-SIGNATURE = {"cur_tab": "*i64", "snap_tab": "*i64", "n_tab": "*i64", "start_tab": "*i64", "blk_piece": "*i64",
-             "blk_off": "*i64", "counts": "*i32", "scratch": "*u8", "partial": "*i64", "b0": "i32",
-             "INT": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr", "NARROW": "constexpr",
-             "WHOLE": "constexpr"}
+TYPES = {  # the diff's arguments
+         "cur_tab": "*i64", "snap_tab": "*i64", "n_tab": "*i64", "start_tab": "*i64", "blk_piece": "*i64",
+         "blk_off": "*i64", "counts": "*i32", "scratch": "*u8", "partial": "*i64", "b0": "i32"}
 
 
 def _cut(text: str, start: str, end: str, instead: str = "") -> str:
@@ -53,11 +52,14 @@ def _cut(text: str, start: str, end: str, instead: str = "") -> str:
 
 
 def variants(source: str) -> dict[str, str]:
-    """The kernels' source as it is, and with the digest terms and/or the snapshot's store
-    taken out of the diff's block (the digest's partial stored as 0)."""
-    no_digest = _cut(source, "    if NARROW:\n        d = x.to(tl.int32)", "@triton.jit\ndef _terms",
-                     "    tl.store(partial + b, 0)\n\n\n")
+    """The kernels' source as it is, and, where its diff has them, with the digest terms
+    and/or the snapshot's store taken out of the diff's block (the digest's partial stored
+    as 0)."""
+    digest = ("    if NARROW:\n        d = x.to(tl.int32)", "@triton.jit\ndef _terms")
     store = ("    if WHOLE:  # a row with a change", "    tl.store(scratch + b")
+    if digest[0] not in source:  # (a pass one without them)
+        return {"as is": source}
+    no_digest = _cut(source, *digest, "    tl.store(partial + b, 0)\n\n\n")
     return {"as is": source, "no digest": no_digest, "no snapshot store": _cut(source, *store),
             "neither": _cut(no_digest, *store)}
 
@@ -75,8 +77,10 @@ def count(fn: Any, arch: int, whole: bool, warps: int) -> tuple[int, collections
     """SASS instructions of the diff compiled for ``arch`` (bf16 pieces, 16-byte aligned),
     by opcode, the SASS, and the registers a thread uses."""
     const = {"INT": tl.int16, "BLOCK": gpu.BLOCK, "ALIGN": 16, "NARROW": True, "WHOLE": whole}
-    names = list(SIGNATURE)
-    src = ASTSource(fn=fn, signature=SIGNATURE, constexprs={(names.index(n),): v for n, v in const.items()})
+    names = fn.arg_names
+    signature = {n: TYPES.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(n),): v for n, v in const.items() if n in names})
     compiled = triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     sass = get_sass(compiled.asm["cubin"])
     ops: collections.Counter = collections.Counter()

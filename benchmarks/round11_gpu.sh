@@ -6,7 +6,11 @@
 #           up (benchmarks/timeline_report.py);
 # ab:       the same row unrecorded, alternating with the last landed commit (its tree under
 #           _old/<commit>: git archive <commit> weightbus | tar -x -C _old/<commit>; carry it);
-# deltatests: the GPU cases of delta mode.
+# deltatests: the GPU cases of delta mode (TREE=<side>: of a tree under _old/<side> with its
+#           tests: git archive <branch> weightbus tests pyproject.toml | tar -x -C _old/<side>).
+# Round twelve's branch lean-diff (pass one without the digest terms; not yet measured):
+#   mkdir -p _old/lean && git archive lean-diff weightbus tests pyproject.toml | tar -x -C _old/lean   (carry it)
+#   TREE=lean STEPS="deltatests ab" SIDES="new lean new lean" ITERS=8 bash benchmarks/round11_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 PRESET=${PRESET:-8b}
@@ -24,7 +28,8 @@ for step in ${STEPS:-timeline}; do
           PYTHONPATH=$(at "$side") timeout 280 python -m weightbus bench --scenario disaggregated --preset $PRESET \
             --trainer-dtype bf16 --delta 0.02 --iters ${ITERS:-6} 2>&1 | grep -E "^  delta|^disaggregated|Error" | head -4
         done ;;
-    deltatests) PYTHONPATH=$PWD timeout 420 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-                  tests/test_delta.py tests/test_sharded.py -k "delta or table or cuda or digest" 2>&1 | tail -4 ;;
+    deltatests) (cd "$(at "${TREE:-new}")" && PYTHONPATH=$PWD timeout 420 python -m pytest -q -p no:cacheprovider \
+                  tests/test_gpu.py tests/test_delta.py tests/test_sharded.py -k "delta or table or cuda or digest" \
+                  2>&1 | tail -4) ;;
   esac
 done
