@@ -62,7 +62,7 @@ class Box:
         start[dim], size[dim] = begin, end - begin
         return cls(tuple(start), tuple(size))
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return prod(self.size)
 
@@ -74,10 +74,14 @@ class Box:
         """This region of ``t`` (a view)."""
         return t[self.slices]
 
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether this box lies inside a tensor of ``shape``."""
+        return len(self.start) == len(shape) == len(self.size) and all(
+            a >= 0 and n >= 0 and a + n <= s for a, n, s in zip(self.start, self.size, shape, strict=True))
+
     def check(self, shape: Sequence[int], what: str) -> None:
         """Raise :class:`PlanError` unless this box lies inside a tensor of ``shape``."""
-        if len(self.start) != len(shape) or len(self.size) != len(shape) or any(
-                a < 0 or n < 0 or a + n > s for a, n, s in zip(self.start, self.size, shape, strict=True)):
+        if not self.fits(shape):
             raise PlanError(f"{what}: region {self} does not fit a tensor of shape {tuple(shape)}")
 
     def split(self, max_numel: int) -> list[Box]:
@@ -142,20 +146,27 @@ class ShardLayout:
 
     def wants(self, manifest: Manifest, rank: int) -> list[tuple[int, Box]]:
         """(tensor index, box) for every region this rank keeps of ``manifest``, checked;
-        overlapping boxes of one tensor are refused (a receiver writes each element once)."""
+        overlapping boxes of one tensor are refused (a receiver writes each element once).
+        (Once per plan, but per tensor and rank: a trillion-parameter MoE's 139,523 tensors
+        on 16 ranks, so the common cases take no step they do not need.)"""
         out: list[tuple[int, Box]] = []
+        listed = self.boxes.get
         for i, m in enumerate(manifest.metas):
-            boxes = self.boxes.get(m.name)
+            boxes = listed(m.name)
             if boxes is None:
                 out.append((i, Box.whole(m.shape)))
                 continue
+            if not boxes:  # (not wanted)
+                continue
             for b in boxes:
-                b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
-            for j, a in enumerate(boxes[:-1]):
-                for b in boxes[j + 1:]:
-                    if a.overlaps(b):
-                        raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
-                                        f"overlap (each element is received once)")
+                if not b.fits(m.shape):
+                    b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
+            if len(boxes) > 1:
+                for j, a in enumerate(boxes[:-1]):
+                    for b in boxes[j + 1:]:
+                        if a.overlaps(b):
+                            raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
+                                            f"overlap (each element is received once)")
             out.extend((i, b) for b in boxes if b.numel)
         return out
 

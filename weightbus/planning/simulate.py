@@ -173,16 +173,19 @@ def rollout_layouts(manifest: Manifest, gpus: int) -> list[ShardLayout]:
     (``o_proj``, ``down_proj``) split along columns, every other matrix (q/k/v, gate/up,
     the vocab) along rows, vectors (norms) and scales replicated."""
     layouts: list[dict[str, list[Box]]] = [{} for _ in range(gpus)]
+    none: list[Box] = []  # (shared: a trillion-parameter MoE lists each expert on every rank)
     for m in manifest.metas:
         if gpus == 1 or len(m.shape) != 2 or m.name.endswith(("_scale_inv", "_scale")):
             continue
         expert = _expert_index(m.name)
-        for r in range(gpus):
-            if expert is not None:
-                layouts[r][m.name] = [Box.whole(m.shape)] if expert % gpus == r else []
-            else:
-                dim = 1 if any(k in m.name for k in _ROW_PARALLEL) else 0
-                layouts[r][m.name] = [chunk_box(m.shape, dim, r, gpus)]
+        if expert is not None:
+            for held in layouts:
+                held[m.name] = none
+            layouts[expert % gpus][m.name] = [Box.whole(m.shape)]
+            continue
+        dim = 1 if any(k in m.name for k in _ROW_PARALLEL) else 0
+        for r, held in enumerate(layouts):
+            held[m.name] = [chunk_box(m.shape, dim, r, gpus)]
     return [ShardLayout(b) for b in layouts]
 
 
