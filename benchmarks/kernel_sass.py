@@ -7,6 +7,8 @@ snapshot's store, both. From the counts, the time the SMs need to issue them for
 ``--elements`` (one instruction per clock per scheduler, 4 schedulers per SM) beside the
 time HBM needs to read the weights and the snapshot: where the first is near or above the
 second, the kernel follows the SM clock, and fewer instructions are what make it faster.
+Then pass two (``write``), whose work is its loops' steps (one per set bit of a lane's word):
+its SASS in all, its registers, and what each loop issues a step.
 
     python benchmarks/kernel_sass.py [--arch 90] [--elements 8030000000] [--sms 132]
         [--ghz 1.98] [--tbps 4.8] [--dump DIR]
@@ -39,9 +41,10 @@ from triton.tools.disasm import get_sass, path_to_cuobjdump  # noqa: E402
 from weightbus.engines.delta import gpu  # noqa: E402
 
 KERNELS = Path(gpu.__file__).with_name("gpu_triton.py")
-TYPES = {  # the diff's arguments
+TYPES = {  # the arguments of the diff's two passes (any other: a constexpr)
          "cur_tab": "*i64", "snap_tab": "*i64", "n_tab": "*i64", "start_tab": "*i64", "blk_piece": "*i64",
-         "blk_off": "*i64", "counts": "*i32", "scratch": "*u8", "partial": "*i64", "b0": "i32"}
+         "blk_off": "*i64", "counts": "*i32", "scratch": "*u8", "partial": "*i64", "b0": "i32",
+         "kind_tab": "*i64", "where_tab": "*i64", "vals_tab": "*i64", "blk_base": "*i64", "words": "*i32"}
 
 
 def _cut(text: str, start: str, end: str, instead: str = "") -> str:
@@ -74,8 +77,8 @@ def _module(source: str, where: Path) -> Any:
 
 
 def count(fn: Any, arch: int, whole: bool, warps: int) -> tuple[int, collections.Counter, str, int]:
-    """SASS instructions of the diff compiled for ``arch`` (bf16 pieces, 16-byte aligned),
-    by opcode, the SASS, and the registers a thread uses."""
+    """SASS instructions of a pass of the diff compiled for ``arch`` (bf16 pieces, 16-byte
+    aligned), by opcode, the SASS, and the registers a thread uses."""
     const = {"INT": tl.int16, "BLOCK": gpu.BLOCK, "ALIGN": 16, "NARROW": True, "WHOLE": whole}
     names = fn.arg_names
     signature = {n: TYPES.get(n, "constexpr") for n in names}
@@ -96,6 +99,22 @@ def count(fn: Any, arch: int, whole: bool, warps: int) -> tuple[int, collections
         f.flush()
         usage = subprocess.check_output([path_to_cuobjdump(), "-res-usage", f.name], text=True)
     return sum(ops.values()), ops, sass, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def loops(sass: str) -> list[int]:
+    """The SASS instructions of each loop's body (from its label to the branch back to it)."""
+    at: dict[str, int] = {}
+    out, n = [], 0
+    for line in sass.splitlines():
+        label = re.match(r"^(\w+):$", line.strip())
+        if label:
+            at[label.group(1)] = n
+        elif "\t" in line and ";" in line:
+            back = re.search(r"\bBRA\s+(\w+);", line)
+            if back and back.group(1) in at and at[back.group(1)] < n:  # (not the end's self-branch)
+                out.append(n - at[back.group(1)] + 1)
+            n += 1
+    return out
 
 
 def resident(regs: int, warps: int) -> int:
@@ -135,6 +154,11 @@ def main() -> None:
     print("per element: SASS lanes per element (a warp's instruction is 32 lanes); issue ms: every "
           "warp's instructions at one per clock per scheduler (a bound below the real time); warps/SM: "
           "resident by registers (of 64)")
+    with tempfile.TemporaryDirectory() as tmp:  # pass two: its work is its loops' steps, per set bit
+        n, _, sass, regs = count(_module(KERNELS.read_text(), Path(tmp)).write, args.arch, True, gpu.WARPS[1])
+    print(f"write (pass two), {gpu.WARPS[1]} warps: {n} SASS in all, {regs} registers; its loops (a step "
+          f"per set bit of a lane's 32-bit word: ~4 steps a block at 2 % changed): "
+          f"{', '.join(str(x) for x in loops(sass))} SASS a step")
 
 
 if __name__ == "__main__":
