@@ -161,12 +161,11 @@ class ShardLayout:
             for b in boxes:
                 if not b.fits(m.shape):
                     b.check(m.shape, f"rollout rank {rank}, tensor {m.name!r}")
-            if len(boxes) > 1:
-                for j, a in enumerate(boxes[:-1]):
-                    for b in boxes[j + 1:]:
-                        if a.overlaps(b):
-                            raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
-                                            f"overlap (each element is received once)")
+            for j, a in enumerate(boxes[:-1]):
+                for b in boxes[j + 1:]:
+                    if a.overlaps(b):
+                        raise PlanError(f"rollout rank {rank}, tensor {m.name!r}: regions {a} and {b} "
+                                        f"overlap (each element is received once)")
             out.extend((i, b) for b in boxes if b.numel)
         return out
 
