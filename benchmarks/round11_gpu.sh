@@ -4,6 +4,7 @@
 # timeline: 8b, 2% changed, 1 trainer GPU -> 1 rollout GPU over NCCL (weightbus bench --delta
 #           0.02), every rank's steps recorded (benchmarks/timeline/sitecustomize.py) and lined
 #           up (benchmarks/timeline_report.py);
+# BENCH_ARGS: more arguments of the ab step's bench (--layers 24 for 30b-a3b);
 # ab:       the same row unrecorded, alternating with the last landed commit (its tree under
 #           _old/<commit>: git archive <commit> weightbus | tar -x -C _old/<commit>; carry it);
 # deltatests: the GPU cases of delta mode (TREE=<side>: of a tree under _old/<side> with its
@@ -21,12 +22,12 @@ for step in ${STEPS:-timeline}; do
     timeline) rm -rf /tmp/wbtl
       WEIGHTBUS_TIMELINE=/tmp/wbtl PYTHONPATH=$PWD:$PWD/benchmarks/timeline timeout 280 python -m weightbus bench \
         --scenario disaggregated --preset $PRESET --trainer-dtype bf16 --delta 0.02 --iters ${ITERS:-4} 2>&1 \
-        | grep -E "delta|disaggregated|timeline|Error" | head -6
+        | grep -E "delta|disaggregated|timeline|Error" | grep -v "^frame #" | head -6
       python benchmarks/timeline_report.py /tmp/wbtl --last 2 --events | head -${LINES_MAX:-400}
       [ -n "${OUT:-}" ] && cp -r /tmp/wbtl "$OUT/timeline_$PRESET" ;;
     ab) for side in $SIDES; do echo "--- $side"
           PYTHONPATH=$(at "$side") timeout 280 python -m weightbus bench --scenario disaggregated --preset $PRESET \
-            --trainer-dtype bf16 --delta 0.02 --iters ${ITERS:-6} 2>&1 | grep -E "^  delta|^disaggregated|Error" | head -4
+            --trainer-dtype bf16 --delta 0.02 --iters ${ITERS:-6} ${BENCH_ARGS:-} 2>&1 | grep -E "^  delta|^disaggregated|Error" | grep -v "^frame #" | head -4
         done ;;
     deltatests) (cd "$(at "${TREE:-new}")" && PYTHONPATH=$PWD timeout 420 python -m pytest -q -p no:cacheprovider \
                   tests/test_gpu.py tests/test_delta.py tests/test_sharded.py -k "delta or table or cuda or digest" \
