@@ -3,10 +3,13 @@
 # on 2 GPUs. Its tree: mkdir -p _old/lean && git archive lean-diff weightbus tests pyproject.toml |
 # tar -x -C _old/lean (carry _old/lean).
 #   STEPS="kernels clocks" SIDES="new lean new lean" bash benchmarks/round12_gpu.sh
+#   STEPS=rounds bash benchmarks/round12_gpu.sh          (next: how many rounds an update takes)
 # kernels: the diff's two passes and the apply alone, timed by CUDA events
 #          (benchmarks/delta_gpu_kernels.py), on 2^30 bf16 elements, each side's tree;
 # tl:      each side's timeline of 8b delta updates (benchmarks/timeline/, with each delta
 #          kernel timed on the GPU and each group's host steps: WEIGHTBUS_TIMELINE_GPU=1);
+# rounds:  8b end to end at 2, 3 and 4 rounds an update (ROUNDS="4 2 3 ...": each round costs
+#          the trainer ~1 ms of plan and ~0.5-0.9 ms to start the next; fewer rounds, less overlap);
 # clocks:  the GPUs' SM and memory clocks, power and temperature now (the 8b delta rows are
 #          bimodal: is it the clock?);
 # end to end, 8b or 30b-a3b: benchmarks/round11_gpu.sh (STEPS=ab, PRESET=..., SIDES=...).
@@ -25,6 +28,11 @@ for step in ${STEPS:-kernels}; do
             timeout 200 python -m weightbus bench --scenario disaggregated --preset 8b --trainer-dtype bf16 \
             --delta 0.02 --iters ${ITERS:-6} 2>&1 | grep -E "^  delta|Error" | grep -v "^frame #" | head -3
           python benchmarks/timeline_report.py /tmp/wbtl --last 3 | grep -E "^===|trainer"
+        done ;;
+    rounds) for r in ${ROUNDS:-4 2 3 4 2 3}; do echo "--- WEIGHTBUS_DELTA_ROUNDS=$r"  # rounds an update is sent in
+          WEIGHTBUS_DELTA_ROUNDS=$r PYTHONPATH=$PWD timeout 200 python -m weightbus bench --scenario disaggregated \
+            --preset 8b --trainer-dtype bf16 --delta 0.02 --iters ${ITERS:-8} 2>&1 | grep -E "^  delta|Error" \
+            | grep -v "^frame #" | head -2
         done ;;
     clocks) nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
               --format=csv; nvidia-smi topo -m; lscpu | grep -E "NUMA|^CPU\(s\)|Model name" ;;
