@@ -9,7 +9,7 @@
 #           _old/<commit>: git archive <commit> weightbus | tar -x -C _old/<commit>; carry it);
 # deltatests: the GPU cases of delta mode (TREE=<side>: of a tree under _old/<side> with its
 #           tests: git archive <branch> weightbus tests pyproject.toml | tar -x -C _old/<side>).
-# Round twelve's branch lean-diff (pass one without the digest terms; not yet measured):
+# Round twelve's branch lean-diff (pass one without the digest terms; measured slower, not merged):
 #   mkdir -p _old/lean && git archive lean-diff weightbus tests pyproject.toml | tar -x -C _old/lean   (carry it)
 #   TREE=lean STEPS="deltatests ab" SIDES="new lean new lean" ITERS=8 bash benchmarks/round11_gpu.sh
 set -uo pipefail

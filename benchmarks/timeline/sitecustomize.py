@@ -46,25 +46,24 @@ if os.environ.get("WEIGHTBUS_TIMELINE"):
 
         from weightbus.engines.delta import gpu_triton
 
+        class Timed:
+            def __init__(self, jit, label):
+                self.jit, self.label = jit, label
+
+            def __getitem__(self, grid):
+                launch = self.jit[grid]
+
+                def run(*a, **k):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t = time.perf_counter()
+                    e0.record()
+                    launch(*a, **k)
+                    e1.record()
+                    _launches.append((self.label, t, e0, e1))
+                return run
+
         for name in ("diff", "write", "bitcount", "apply"):
-            jit = getattr(gpu_triton, name)
-
-            class Timed:
-                def __init__(self, jit, label):
-                    self.jit, self.label = jit, label
-
-                def __getitem__(self, grid):
-                    launch = self.jit[grid]
-
-                    def run(*a, **k):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        t = time.perf_counter()
-                        e0.record()
-                        launch(*a, **k)
-                        e1.record()
-                        _launches.append((self.label, t, e0, e1))
-                    return run
-            setattr(gpu_triton, name, Timed(jit, f"K.{name}"))
+            setattr(gpu_triton, name, Timed(getattr(gpu_triton, name), f"K.{name}"))
         from weightbus.engines.delta import gpu
 
         _wrap(gpu.Diff, "__init__", "H.launch")  # (a group's pass one launched, on the host)

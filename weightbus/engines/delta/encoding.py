@@ -15,8 +15,8 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SLICE = 1 << 22  # elements per step of a weighted sum over a dense range (bounds temporaries)
 # Elements diffed together on a GPU: each group costs the host ~1.2-1.5 ms (its launches, its
 # wait, its layout), during which the GPU idles once it has diffed the group before (an
-# H200 diffs 2^29 bf16 elements in ~1.1 ms); 2^30 took the 8b diff from 17-27 to 12-16 ms of
-# host time (RESULTS, "Delta, round twelve"). At most 2 GB of bf16 casts held (fp32
+# H200 diffs 2^29 bf16 elements in ~1.1 ms); 2^30 took the 8b diff's host time from a median of
+# 23.0 ms to 14.5 (RESULTS, "Delta, round twelve on 2 GPUs"). At most 2 GB of bf16 casts held (fp32
 # trainers); the torch path's mask: 1 GB.
 _GROUP = 1 << 30
 
